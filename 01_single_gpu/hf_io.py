@@ -1,0 +1,78 @@
+"""Hugging Face format in and out: a directory with `config.json` + `model.safetensors`.
+
+Plumbing, not a technique: `--init-from DIR` starts training from such a directory (a real Llama
+checkpoint, or one saved by `save_hf`), and the parity test round-trips through it. Sharded
+checkpoints (`model.safetensors.index.json`) are read too. Later folders shard the loaded full
+state dict themselves (build the full weight, then slice it per rank).
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+               "tie_word_embeddings")
+
+
+def config_from_hf(directory, config_cls):
+    raw = json.loads((Path(directory) / "config.json").read_text())
+    if raw.get("rope_scaling"):
+        raise ValueError(f"{directory}: rope_scaling={raw['rope_scaling']} is not implemented by this model; "
+                         "use a checkpoint without rope scaling (e.g. a Llama-2-style config)")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ValueError(f"{directory}: attention/mlp biases are not part of this Llama model")
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and head_dim * raw["num_attention_heads"] != raw["hidden_size"]:
+        raise ValueError(f"{directory}: head_dim={head_dim} != hidden_size/num_heads; not supported")
+    raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+    return config_cls(**{k: raw[k] for k in CONFIG_KEYS if k in raw})
+
+
+def load_hf_state_dict(directory) -> dict:
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        state.update(load_file(directory / name))
+    return state
+
+
+def load_hf_into(model, directory):
+    """Copy the weights of an HF directory into `model` (same config), casting to its dtype."""
+    state = load_hf_state_dict(directory)
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    own = model.state_dict()
+    if model.config.tie_word_embeddings:
+        own.pop("lm_head.weight", None)
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys() - {"model.rotary_emb.inv_freq"}
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing weights {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if tensor.shape != state[name].shape:
+                raise ValueError(f"{directory}: {name} has shape {tuple(state[name].shape)}, "
+                                 f"the model expects {tuple(tensor.shape)}")
+            tensor.copy_(state[name])
+
+
+def save_hf(model, directory):
+    """Write `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM` can load."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    config = {k: getattr(cfg, k) for k in CONFIG_KEYS}
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                  head_dim=cfg.head_dim, attention_bias=False, mlp_bias=False,
+                  initializer_range=cfg.initializer_range, torch_dtype=str(next(model.parameters()).dtype)[6:])
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))

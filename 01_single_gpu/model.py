@@ -1,0 +1,221 @@
+"""A Llama decoder, written once and transformed from outside by every later step.
+
+Playbook §2.1 (the model whose memory and FLOPs every later chapter divides up). The architecture is
+Llama's: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, optional tied
+embeddings. Parameter names and layouts are those of Hugging Face `LlamaForCausalLM`, so a
+`config.json` + `model.safetensors` directory loads into it and back (see `hf_io.py`).
+
+Parameter count (playbook App. 5.2, GLU variant, untied head):
+    N = 2·V·h + L·(2·h·h + 2·h·h_kv + 3·h·f + 2·h) + h
+with h_kv = n_kv_heads·head_dim and f = intermediate size (h_kv = h and f = 8h/3 give ~16h² per layer).
+
+Designed to be parallelised without being edited (../shared/STYLE.md):
+  * head counts used in `forward` are derived from the weight shapes, so slicing q/k/v by heads (TP)
+    needs no config change;
+  * the attention core is one swappable callable `Attention.attn_fn` (ring attention, flash
+    attention and selective recomputation replace it), rotary embedding is `Attention.rope_fn`;
+  * the MLP is the named submodule `mlp` (MoE replaces it) with a swappable `act_fn`;
+  * the loss is `LlamaForCausalLM.loss_fn(hidden, lm_head, labels)` (vocab-parallel and fused
+    cross-entropy replace it), so the full logits never need to exist outside it.
+
+Shape legend: B batch, T sequence, C hidden size, nh query heads, nkv key/value heads,
+hd head dim, F intermediate size, V vocabulary.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 320
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_kv_heads={self.num_key_value_heads} does not divide "
+                             f"num_heads={self.num_attention_heads} (grouped-query attention needs whole groups)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) · w, computed in float32 as Hugging Face does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x):  # (B, T, C)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(position_ids, head_dim: int, theta: float, dtype):
+    """cos, sin of shape (T, hd) for the given positions (T,): angle_i = pos · theta^(-2i/hd)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).double() / head_dim)
+    angles = position_ids.double()[:, None] * inv_freq[None, :]          # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)                          # (T, hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x):  # (..., hd) -> (..., hd): [x1, x2] -> [-x2, x1]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(q, k, cos, sin):
+    """Rotate q (B, nh, T, hd) and k (B, nkv, T, hd) by the angles in cos/sin (T, hd)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def sdpa_attention(q, k, v):
+    """Causal attention core: q (B, nh, T, hd), k/v (B, nkv, T, hd) -> (B, nh, T, hd)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)                                # (B, nh, T, hd)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def eager_attention(q, k, v):
+    """The same as `sdpa_attention`, written out: softmax(q kᵀ/√hd + causal mask) v."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)                                # (B, nh, T, hd)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # (B, nh, T, T)
+    T = q.shape[2]
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v    # (B, nh, T, hd)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        c, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(c, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(c, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(c, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, c, bias=False)
+        self.attn_fn = sdpa_attention
+        self.rope_fn = apply_rotary
+
+    def forward(self, x, cos, sin):  # x (B, T, C)
+        B, T, _ = x.shape
+        # Heads are counted from the weights, not the config: under TP each rank holds nh/tp of them.
+        nh = self.q_proj.weight.shape[0] // self.head_dim
+        nkv = self.k_proj.weight.shape[0] // self.head_dim
+        q = self.q_proj(x).view(B, T, nh, self.head_dim).transpose(1, 2)    # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, nkv, self.head_dim).transpose(1, 2)   # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, nkv, self.head_dim).transpose(1, 2)   # (B, nkv, T, hd)
+        q, k = self.rope_fn(q, k, cos, sin)
+        y = self.attn_fn(q, k, v)                                           # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)             # (B, T, nh·hd)
+        return self.o_proj(y)                                               # (B, T, C)
+
+
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        c, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(c, f, bias=False)
+        self.up_proj = nn.Linear(c, f, bias=False)
+        self.down_proj = nn.Linear(f, c, bias=False)
+        self.act_fn = silu_mul
+
+    def forward(self, x):  # (B, T, C)
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))   # (B, T, F) -> (B, T, C)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):  # (B, T, C)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def rotary(self, position_ids, dtype):
+        return rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def forward(self, input_ids, position_ids=None):  # (B, T) -> (B, T, C)
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:  # context parallelism passes the positions of its shard instead
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rotary(position_ids, x.dtype)                        # (T, hd)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+def cross_entropy_loss(hidden, lm_head, labels):
+    """Mean next-token loss over all tokens: hidden (B, T, C), labels (B, T); -100 is ignored."""
+    logits = lm_head(hidden)                                                 # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn = cross_entropy_loss
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Hugging Face's Llama init: normal(0, 0.02) for matrices, ones for norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, self.config.initializer_range)
+
+    def forward(self, input_ids, labels=None, position_ids=None):
+        hidden = self.model(input_ids, position_ids)                          # (B, T, C)
+        if labels is None:
+            return self.lm_head(hidden)                                        # (B, T, V)
+        return self.loss_fn(hidden, self.lm_head, labels)                      # scalar

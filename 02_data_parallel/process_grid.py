@@ -1,0 +1,131 @@
+"""The process grid: which global rank plays which part in every parallel dimension.
+
+Playbook §4.1 (Llama-3's 4D layout) and picotron: the ranks are laid out as
+
+    grid = torch.arange(world).view(dp, pp, cp, tp)        # tp varies fastest, dp slowest
+
+so tensor-parallel peers are neighbours (inside one node, where bandwidth is highest), then
+context-parallel, then pipeline, and data parallelism spans the farthest ranks. With 16 ranks and
+every degree 2: ranks 0,1 share a TP group; 0,2 a CP group; 0,4 a PP group; 0,8 a DP group.
+
+Expert parallelism does not get a dimension of its own: it is carved out of data parallelism, as
+DeepSpeed-MoE and Megatron do (playbook §2.7: "EP as a sub-case of DP"). `ep` must divide `dp`; the
+ep consecutive DP ranks of a block hold different experts (the `ep_group`) and the dp/ep blocks
+replicate them (the `expert_dp_group`). Dense weights are averaged over the `cp_dp_group`, since
+context-parallel ranks see different tokens of the same samples, exactly like DP ranks.
+
+Every group of every dimension is created on every rank, in the same order, as torch.distributed
+requires; a rank keeps the ones it belongs to in a frozen dataclass that is passed explicitly.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+    """The (dp, pp, cp, tp) tensor of global ranks; raises a clear error for a bad layout."""
+    for name, degree in dict(dp=dp, pp=pp, cp=cp, tp=tp, ep=ep).items():
+        if degree < 1:
+            raise ValueError(f"--{name} must be at least 1, got {degree}")
+    if dp * pp * cp * tp != world_size:
+        raise ValueError(f"dp·pp·cp·tp = {dp}·{pp}·{cp}·{tp} = {dp * pp * cp * tp} does not equal the "
+                         f"world size {world_size}; launch with --nproc_per_node {dp * pp * cp * tp} "
+                         f"or change the degrees")
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel ranks")
+    return torch.arange(world_size).view(dp, pp, cp, tp)
+
+
+def _groups_along(grid, dims):
+    """All rank lists that vary only along `dims` (the other coordinates fixed), in a fixed order."""
+    keep = [d for d in range(grid.dim()) if d not in dims]
+    moved = grid.permute(*keep, *dims)                                      # (...kept, ...varying)
+    return moved.reshape(-1, int(torch.tensor([grid.shape[d] for d in dims]).prod())).tolist()
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    world_size: int
+    rank: int
+    dp_size: int
+    pp_size: int
+    cp_size: int
+    tp_size: int
+    ep_size: int
+    dp_rank: int
+    pp_rank: int
+    cp_rank: int
+    tp_rank: int
+    ep_rank: int
+    dp_group: object
+    pp_group: object
+    cp_group: object
+    tp_group: object
+    cp_dp_group: object        # dense-weight gradients are averaged over these ranks
+    ep_group: object           # ranks that hold different experts
+    expert_dp_group: object    # ranks that hold the same experts
+    pp_ranks: tuple            # global ranks of this rank's pipeline, stage 0 first
+
+    @property
+    def pp_prev_rank(self):  # global rank of the previous stage, or None on the first
+        return self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
+
+    @property
+    def pp_next_rank(self):
+        return self.pp_ranks[self.pp_rank + 1] if self.pp_rank < self.pp_size - 1 else None
+
+    @property
+    def is_first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def group_names(self) -> dict:
+        """id(group) -> name, for the communication meter's tables."""
+        names = {}
+        for name in ("cp_dp", "expert_dp", "ep", "dp", "pp", "cp", "tp"):  # later wins for equal groups
+            names[id(getattr(self, f"{name}_group"))] = name
+        return names
+
+
+def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
+    """Create every group of the grid (collective: call it on every rank, same arguments)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = grid_layout(world, dp, pp, cp, tp, ep)
+    DP, PP, CP, TP = 0, 1, 2, 3
+    mine = {}
+    # The grid with dp split into (dp/ep, ep) for the expert groups.
+    expert_grid = grid.view(dp // ep, ep, pp, cp, tp)
+    for name, source, dims in (("dp", grid, (DP,)), ("pp", grid, (PP,)), ("cp", grid, (CP,)),
+                               ("tp", grid, (TP,)), ("cp_dp", grid, (DP, CP)),
+                               ("ep", expert_grid, (1,)), ("expert_dp", expert_grid, (0,))):
+        for ranks in _groups_along(source, dims):
+            group = dist.new_group(ranks)  # collective over the world: every rank creates every group
+            if rank in ranks:
+                mine[name] = (group, ranks)
+    dp_rank, pp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
+    return ProcessGrid(world_size=world, rank=rank, dp_size=dp, pp_size=pp, cp_size=cp, tp_size=tp, ep_size=ep,
+                       dp_rank=dp_rank, pp_rank=pp_rank, cp_rank=cp_rank, tp_rank=tp_rank, ep_rank=dp_rank % ep,
+                       pp_ranks=tuple(mine["pp"][1]),
+                       **{f"{name}_group": group for name, (group, _) in mine.items()})
+
+
+def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
+    """Join the job `torchrun` (or the test harness) started and build the grid.
+
+    The degrees are checked against WORLD_SIZE before any process group exists, so a bad layout
+    fails at once with a message instead of hanging in a collective. Gloo on the CPU, NCCL on GPUs:
+    the one place where device and backend are chosen.
+    """
+    grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp, pp, cp, tp, ep)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return build_process_grid(dp, pp, cp, tp, ep)

@@ -1,0 +1,21 @@
+"""Shared test settings: a tiny Llama and short runs, so every comparison finishes in seconds."""
+from importlib import import_module
+
+# 4 layers (pp 4, or pp 2 × 2 chunks), 4 heads / 2 KV heads (tp 2), vocab 320 (tp 4), seq 32 (cp 4 zig-zag).
+TINY = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "4", "--num-heads", "4",
+        "--num-kv-heads", "2", "--seq-len", "32", "--lr", "3e-3", "--warmup-steps", "1", "--no-progress",
+        "--log-every", "1000"]
+SEQ_LEN = 32
+
+
+def argv(*extra, steps=3, mbs=4, grad_acc=1, dtype="float32"):
+    return TINY + ["--steps", str(steps), "--mbs", str(mbs), "--grad-acc", str(grad_acc), "--dtype", dtype,
+                   *map(str, extra)]
+
+
+def single_device_run(*extra, **kw):
+    """(losses per step, final state dict) of 01_single_gpu for the same flags."""
+    train = import_module("01_single_gpu.train")
+    args = train.cli.parse_args(train.cli.core_parser("test"), argv(*extra, **kw))
+    records, model = train.run(args)
+    return [r["loss"] for r in records], {k: v.detach().clone() for k, v in model.state_dict().items()}

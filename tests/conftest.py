@@ -1,0 +1,15 @@
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # tests/harness.py, tests/common.py
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache():
+    """Tokenize and pack the default corpus once, before any ranks are spawned to read it."""
+    import common
+    data = import_module("01_single_gpu.data")
+    data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
