@@ -61,6 +61,10 @@ class saved_activation_bytes(saved_tensors_hooks):
             return t
         super().__init__(pack, lambda t: t)
 
+    def __enter__(self):
+        super().__enter__()
+        return self
+
 
 @dataclass
 class MemoryReport:
@@ -84,10 +88,10 @@ class MemoryReport:
 def memory_report(params, optimizer, activations: int, grad_dtype=None, optimizer_bytes=None) -> MemoryReport:
     """Model states from the tensors this rank holds. Gradients are as large as their parameters
     (in `grad_dtype` if given); optimizer states are measured once they exist, else AdamW's two
-    fp32 moments per parameter are assumed."""
+    moments per parameter, in the parameters' dtype, are assumed."""
     params = [p for p in params if p.requires_grad]
     grads = sum(p.numel() * (torch.empty(0, dtype=grad_dtype or p.dtype).element_size()) for p in params)
     if optimizer_bytes is None:
-        optimizer_bytes = optimizer_state_bytes(optimizer) or 2 * 4 * sum(p.numel() for p in params)
+        optimizer_bytes = optimizer_state_bytes(optimizer) or 2 * tensor_bytes(params)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return MemoryReport(tensor_bytes(params), grads, optimizer_bytes, activations, peak)

@@ -72,9 +72,13 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(position_ids, head_dim: int, theta: float, dtype):
-    """cos, sin of shape (T, hd) for the given positions (T,): angle_i = pos · theta^(-2i/hd)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).double() / head_dim)
-    angles = position_ids.double()[:, None] * inv_freq[None, :]          # (T, hd/2)
+    """cos, sin of shape (T, hd) for the given positions (T,): angle_i = pos · theta^(-2i/hd).
+
+    The angles are computed in float32 whatever the model's dtype, as Hugging Face does: pretrained
+    Llama weights were trained with exactly these rounded angles.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim)
+    angles = position_ids.float()[:, None] * inv_freq[None, :]            # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)                          # (T, hd)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -191,7 +195,8 @@ class LlamaModel(nn.Module):
 def cross_entropy_loss(hidden, lm_head, labels):
     """Mean next-token loss over all tokens: hidden (B, T, C), labels (B, T); -100 is ignored."""
     logits = lm_head(hidden)                                                 # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))     # bf16 -> fp32 for the softmax
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 class LlamaForCausalLM(nn.Module):
