@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,8 +178,8 @@ def test_activation_estimate_matches_playbook_formula():
 
 
 def test_cli_help_documents_the_contract():
-    out = subprocess.run([sys.executable, "01_single_gpu/train.py", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--hidden-size", "--intermediate-size", "--num-layers", "--num-heads", "--num-kv-heads",
                  "--seq-len", "--mbs", "--grad-acc", "--steps", "--lr", "--seed", "--dtype", "--device",
                  "--recompute", "--json-log", "--checkpoint-dir", "--checkpoint-every", "--resume", "--init-from"):
@@ -202,3 +203,16 @@ def test_init_from_hf_directory(tmp_path):
 def test_bfloat16_autocast_trains_with_fp32_master_weights():
     losses, state = common.single_device_run(steps=2, dtype="bfloat16")
     assert all(torch.isfinite(torch.tensor(losses))) and all(v.dtype == torch.float32 for v in state.values())
+
+
+def test_local_text_and_jsonl_sources(tmp_path):
+    """The user paths work offline: a .txt file and a .jsonl file with a named text column."""
+    (tmp_path / "a.txt").write_text("hello world " * 40)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": f"document {i} " * 20}) for i in range(5)))
+    tok = data.ByteTokenizer()
+    txt = data.build_dataset(str(tmp_path / "a.txt"), tok, 15, cache_dir=tmp_path / "cache")
+    assert len(txt) == (480 + 1) // 16 and tok.decode(txt[0]["input_ids"]) == "hello world hell"
+    jsonl = data.build_dataset(str(tmp_path / "b.jsonl"), tok, 15, cache_dir=tmp_path / "cache", text_column="body")
+    assert tok.decode(jsonl[0]["input_ids"]).startswith("document 0")
+    with pytest.raises(ValueError, match="pass --text-column"):
+        data.build_dataset(str(tmp_path / "b.jsonl"), tok, 7, cache_dir=tmp_path / "cache")
