@@ -1,0 +1,149 @@
+"""Fused linear + cross-entropy: the LM-head loss without ever holding the (N, V) logits.
+
+What: loss = mean over the non-ignored tokens of -log softmax(h Wᵀ)[target], for hidden states
+h (N, C), the LM-head weight W (V, C) and targets (N,), with ignore_index = -100. The rows are
+processed in chunks of `chunk` tokens:
+    logits_c = h_c Wᵀ                       (chunk, V)   torch GEMM, upcast to float32
+    lse, loss, dlogits = softmax-CE(logits_c)            Triton, one program per row, in place
+    dh_c = dlogits_c W,   dW += dlogits_cᵀ h_c           torch GEMMs
+Only one chunk of logits exists at a time.
+
+Memory. With eager PyTorch, N·V·b bytes of logits, a float32 copy (N·V·4) and the float32 gradient
+of the same size are alive at the peak. For Llama-3's V = 128,256 and N = 8 × 8192 tokens in bf16,
+that is 8.4 GB + 16.8 GB. Fused, the peak extra is chunk·V·4 bytes plus the two stored gradients
+dh (N·C·b) and dW (V·C·4). The default chunk makes chunk·V ≈ N·C, so the logits chunk is no bigger
+than the hidden states (the heuristic of Liger-Kernel, Hsu et al. 2024).
+
+Gradients are computed inside the forward, as Liger does. The softmax that gives the loss also gives
+dlogits = softmax - onehot(target), so while a chunk is in memory we go on to dh_c and dW. backward()
+then only scales the stored dh, dW by the incoming grad (a scalar). The trade-off:
+  + logits are computed once (3 GEMMs in all). A recomputing backward would need 4 and a second pass
+  - dh (N, C) and dW (V, C, float32) are held from forward to backward, and a forward with no backward
+    would waste 2 of its 3 GEMMs. So under torch.no_grad (evaluation) the gradient GEMMs are skipped.
+  - backward cannot be separated from forward (this does not suit pipeline schedules that run the
+    loss's backward later; a plain loss.backward() is fine).
+
+Playbook chapter 4, "fused kernels" + online softmax (§4.0.7-4.0.8). The CE kernel uses the same
+running max / running sum as FlashAttention: one pass over V for the log-sum-exp, one to write dlogits.
+    FLOPs  6·N·V·C (three GEMMs), the same as eager. HBM traffic of the softmax ≈ 3·N·V·4 bytes, in chunks
+
+Versions in this file:
+    v0  linear_cross_entropy_reference  eager: logits = h Wᵀ, F.cross_entropy(logits.float())
+    v1  fused_linear_cross_entropy      chunked GEMMs + Triton online-softmax CE, grads in forward
+
+Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k cross_entropy (on CPU), python kernels/bench.py (GPU).
+Shape legend: N tokens (= B·T), C hidden size, V vocabulary.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+IGNORE_INDEX = -100
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index: int = IGNORE_INDEX):
+    """v0: hidden (..., C), weight (V, C), targets (...) -> mean loss over non-ignored targets."""
+    logits = hidden @ weight.t()                                             # (..., V)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index)
+
+
+@triton.jit
+def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.constexpr):
+    # One program per row of the chunk. LOGITS (chunk, V) float32 is overwritten by
+    # softmax(logits) - onehot(target): dloss_row/dlogits. The 1/n_valid of the mean is applied later.
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = LOGITS + row * V
+    target = tl.load(TARGETS + row)
+    valid = target != ignore_index
+
+    # Pass 1, online log-sum-exp. Keep the running max m and sum s = Σ exp(x - m). When a block raises
+    # the max to m', rescale: s' = s·exp(m - m') + Σ_block exp(x - m'). The result never overflows
+    # and needs only one read of the row.
+    m = -float("inf")
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+
+    # loss_row = lse - logit[target]. An ignored row reads column 0 (in bounds) and is zeroed below.
+    safe_target = tl.where(valid, target, 0)
+    target_logit = tl.load(logits_row + safe_target)
+    tl.store(LOSS + row, tl.where(valid, lse - target_logit, 0.0))
+
+    # Pass 2: dlogits = exp(x - lse) - [col == target], or 0 for an ignored row.
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(logits_row + cols, mask=cols < V, other=0.0)
+        grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+        tl.store(logits_row + cols, tl.where(valid, grad, 0.0), mask=cols < V)
+
+
+def default_chunk(n_tokens: int, hidden_size: int, vocab: int) -> int:
+    """Rows per chunk such that chunk·V ≈ N·C: the logits chunk costs about what h already costs."""
+    return min(triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab, hidden_size))), n_tokens)
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk: int, need_grad: bool):
+        N, C = hidden.shape
+        V = weight.shape[0]
+        loss_rows = torch.empty(N, dtype=torch.float32, device=hidden.device)            # (N,)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None                    # (N, C)
+        grad_weight = torch.zeros(V, C, dtype=torch.float32, device=hidden.device) if need_grad else None
+        block_v = min(triton.next_power_of_2(V), 4096)
+        for start in range(0, N, chunk):
+            h_c = hidden[start:start + chunk]                                            # (chunk, C)
+            logits = (h_c @ weight.t()).float()                                          # (chunk, V)
+            _cross_entropy_kernel[(h_c.shape[0],)](logits, targets[start:start + chunk],
+                                                   loss_rows[start:start + chunk], V, ignore_index,
+                                                   BLOCK_V=block_v, num_warps=8)
+            if need_grad:                                         # logits now holds dloss_rows/dlogits
+                dlogits = logits.to(hidden.dtype)                                        # (chunk, V)
+                grad_hidden[start:start + chunk] = dlogits @ weight                      # (chunk, C)
+                grad_weight += (dlogits.t() @ h_c).float()                               # (V, C)
+        # Mean over the tokens that count. n_valid stays a tensor: no host sync. If every token is
+        # ignored this is 0/0 = nan, as with F.cross_entropy.
+        n_valid = (targets != ignore_index).sum().float()
+        if need_grad:
+            ctx.save_for_backward(grad_hidden.div_(n_valid), grad_weight.div_(n_valid).to(weight.dtype))
+        return loss_rows.sum() / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):       # grad_loss: a scalar, usually 1 (or 1/grad_acc)
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
+
+
+def _matmul_dtype(a, b):
+    """The dtype torch would run a @ b in: the autocast dtype inside autocast, else the promoted one."""
+    if torch.is_autocast_enabled(a.device.type):
+        return torch.get_autocast_dtype(a.device.type)
+    return torch.promote_types(a.dtype, b.dtype)
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, ignore_index: int = IGNORE_INDEX, chunk: int = None):
+    """v1: mean CE of (hidden @ weight.T) against targets without the full logits.
+
+    hidden (..., C), weight (V, C), targets (...) -> scalar float32 loss; differentiable in hidden and weight.
+    """
+    dtype = _matmul_dtype(hidden, weight)
+    # Cast outside the Function so autograd routes the gradients back to float32 master weights.
+    hidden2 = hidden.reshape(-1, hidden.shape[-1]).to(dtype).contiguous()              # (N, C)
+    targets = targets.reshape(-1).contiguous()                                         # (N,)
+    chunk = chunk or default_chunk(*hidden2.shape, weight.shape[0])
+    # Decided out here: inside Function.forward autograd has already switched grad mode off.
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    with torch.autocast(hidden.device.type, enabled=False):   # the GEMMs inside already run in `dtype`
+        return FusedLinearCrossEntropyFunction.apply(hidden2, weight.to(dtype), targets, ignore_index, chunk,
+                                                     need_grad)
+
+
+def fused_lm_head_loss(hidden, lm_head, labels):
+    """The model's `loss_fn(hidden, lm_head, labels)` contract, with lm_head an nn.Linear without bias."""
+    return fused_linear_cross_entropy(hidden, lm_head.weight, labels)

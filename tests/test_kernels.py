@@ -1,0 +1,213 @@
+"""kernels/: each Triton kernel against the eager reference in its own file, forward and backward.
+
+Compared: the output and the gradient of every differentiable input (RMSNorm dx and dw; SwiGLU dgate
+and dup; RoPE dx; fused linear cross-entropy loss, dh and dW; FlashAttention dq, dk and dv). Then a
+whole tiny Llama with `apply_kernels(model, "triton", "triton")` against the PyTorch path: loss and
+every parameter gradient. The shapes are deliberately awkward: hidden 48/96 (not powers of two),
+T = 37 (not a multiple of any block, and several blocks deep), head dim 24 (padded to 32), GQA 4:2,
+ignored targets, chunks that do not divide the tokens.
+
+Tolerances:
+  float32   The kernels compute in float32 as the references do. Only the order of the reductions
+            differs, which costs a few float32 ulps of the largest value: atol = rtol = 1e-5. The
+            whole model, where errors pass through 2 layers and the loss, gets 1e-4.
+  bfloat16  The kernel and the eager bf16 reference both round, at different places. The rule is
+            the FlashAttention test suite's: the kernel's error against the float64 truth (the
+            reference run on the same bf16 values upcast) must be at most twice the eager bf16
+            reference's own error, plus 1e-3·max|truth| so an exact reference does not demand zero.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before anything imports
+Triton). The shapes are tiny because the interpreter is slow. On a CUDA machine they are compiled.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # Triton reads it when kernels/*.py are imported (at @triton.jit)
+
+from importlib import import_module  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+
+modeling = import_module("01_single_gpu.model")
+rms = import_module("kernels.rmsnorm")
+swi = import_module("kernels.swiglu")
+rot = import_module("kernels.rope")
+flce = import_module("kernels.fused_linear_cross_entropy")
+fa = import_module("kernels.flash_attention")
+patch = import_module("kernels.patch")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
+    raise RuntimeError("kernels/ was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 pytest")
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(fn, inputs, grad_out_seed=1):
+    """fn(*inputs) and the gradients of all inputs that require them, for a fixed random dy."""
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*inputs)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_out_seed)).to(out)
+    out.backward(dy)
+    return [out.detach()] + [x.grad for x in inputs if x.grad is not None]
+
+
+def check(kernel, reference, inputs, dtype, names):
+    """Compare kernel and reference outputs and input gradients at `dtype` by the module's rules."""
+    cast = [x.to(DEVICE, dtype) if x.is_floating_point() else x.to(DEVICE) for x in inputs]
+    got = run(kernel, cast)
+    ref = run(reference, cast)
+    assert len(got) == len(ref) == len(names)
+    if dtype == torch.float32:
+        for name, a, b in zip(names, got, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        return
+    truth = run(reference, [x.double() if x.is_floating_point() else x for x in cast])
+    for name, a, b, t in zip(names, got, ref, truth):
+        assert a.dtype == b.dtype, f"{name}: {a.dtype} != {b.dtype}"
+        err = (a.double() - t).abs().max().item()
+        ref_err = (b.double() - t).abs().max().item()
+        assert err <= 2 * ref_err + 1e-3 * t.abs().max().item(), f"{name}: error {err:.3g} vs reference {ref_err:.3g}"
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# === elementwise and row-wise kernels ===
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rmsnorm(dtype):
+    x, w = randn(2, 37, 48), 1 + randn(48, seed=1, scale=0.1)     # C = 48: the mask hides 16 of 64 lanes
+    check(lambda x, w: rms.rmsnorm(x, w, 1e-5), lambda x, w: rms.rmsnorm_reference(x, w, 1e-5),
+          [x, w], dtype, ["y", "dx", "dw"])
+
+
+def test_rmsnorm_mixed_precision_matches_model():
+    """bf16 activations with a float32 weight (autocast training): the model's output dtype (float32)
+    and its values, up to one bf16 ulp (2⁻⁷ relative): x̂ is rounded to bf16 before the weight multiply,
+    and where the kernel's and torch's float32 rsqrt differ in the last bit, that rounding can flip."""
+    norm = modeling.RMSNorm(96, 1e-5).to(DEVICE)
+    x = randn(3, 5, 96).to(DEVICE, torch.bfloat16)
+    out = rms.rmsnorm(x, norm.weight, norm.eps)
+    assert out.dtype == norm(x).dtype == torch.float32
+    torch.testing.assert_close(out, norm(x), atol=1e-6, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu(dtype):
+    gate, up = randn(2, 37, 96, scale=3.0), randn(2, 37, 96, seed=1)   # 7104 elements: a partial last block
+    check(swi.swiglu, swi.swiglu_reference, [gate, up], dtype, ["y", "dgate", "dup"])
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 24), (torch.bfloat16, 16)],
+                         ids=["float32-hd16", "float32-hd24", "bfloat16-hd16"])
+def test_rope(dtype, head_dim):
+    cos, sin = modeling.rotary_cos_sin(torch.arange(37), head_dim, 10000.0, torch.float32)   # (T, hd)
+    x = randn(2, 37, 4, head_dim).transpose(1, 2)           # (B, nh, T, hd), strided like the model's q
+    check(lambda x: rot.rope(x, cos.to(x), sin.to(x)), lambda x: rot.rope_reference(x, cos.to(x), sin.to(x)),
+          [x], dtype, ["out", "dx"])
+
+
+def test_rope_backward_is_rotation_by_minus_sin():
+    """The docstring's claim: with Llama's tables (cos1 = cos2, sin1 = sin2), dx = rope(dy, cos, -sin)."""
+    cos, sin = modeling.rotary_cos_sin(torch.arange(37), 16, 10000.0, torch.float32)
+    x = randn(1, 2, 37, 16).to(DEVICE).requires_grad_()
+    dy = randn(1, 2, 37, 16, seed=1).to(DEVICE)
+    rot.rope(x, cos.to(DEVICE), sin.to(DEVICE)).backward(dy)
+    torch.testing.assert_close(x.grad, rot.rope_reference(dy, cos.to(DEVICE), -sin.to(DEVICE)), atol=1e-6, rtol=1e-6)
+
+
+# === fused linear + cross-entropy ===
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_linear_cross_entropy(dtype):
+    h, w = randn(2, 37, 48), randn(100, 48, seed=1, scale=0.3)        # N = 74 tokens, V = 100
+    targets = torch.randint(0, 100, (2, 37), generator=torch.Generator().manual_seed(2))
+    targets[0, :9] = -100                                               # ignored (e.g. padding)
+    # chunk 16: 5 chunks, the last one 10 rows, so chunking, ignore_index and the mean all matter.
+    check(lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t, chunk=16),
+          flce.linear_cross_entropy_reference, [h, w, targets], dtype, ["loss", "dh", "dW"])
+
+
+def test_fused_cross_entropy_without_grad_and_chunk_rule():
+    """Under no_grad only the loss is computed, and it is the same. The default chunk keeps the
+    logits chunk within 2x of the hidden states, as the docstring states (chunk·V ≈ N·C)."""
+    h, w = randn(74, 48).to(DEVICE), randn(100, 48, seed=1).to(DEVICE)
+    t = torch.randint(0, 100, (74,)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(flce.fused_linear_cross_entropy(h, w, t),
+                                   flce.linear_cross_entropy_reference(h, w, t), atol=1e-5, rtol=1e-5)
+    for n, c, v in [(74, 48, 100), (8 * 8192, 4096, 128256), (4096, 2048, 32000)]:
+        chunk = flce.default_chunk(n, c, v)
+        assert 1 <= chunk <= n and chunk * v <= 2 * n * c
+
+
+# === flash attention ===
+
+@pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.float32, False),
+                                          (torch.bfloat16, True), (torch.bfloat16, False)],
+                         ids=["float32-causal", "float32-full", "bfloat16-causal", "bfloat16-full"])
+def test_flash_attention_gqa(dtype, causal):
+    # 4 query heads share 2 K/V heads; T = 37 with 16-wide blocks: 3 blocks, the last one 5 rows.
+    q, k, v = randn(2, 4, 37, 16), randn(2, 2, 37, 16, seed=1), randn(2, 2, 37, 16, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, causal, block_m=16, block_n=16),
+          lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
+
+
+def test_flash_attention_padded_head_dim_unequal_blocks():
+    """hd = 24 is padded to 32; BLOCK_M = 16 ≠ BLOCK_N = 32 exercises the causal loop bounds."""
+    q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24, seed=1), randn(1, 2, 40, 24, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, True, block_m=16, block_n=32),
+          lambda q, k, v: fa.attention_reference(q, k, v, True), [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
+
+
+# === the whole model, switched from outside ===
+
+def test_apply_kernels_matches_torch_path():
+    """A tiny Llama (2 layers, hd 16, GQA 4:2, vocab 96, untied) gives the same loss and gradients
+    with every Triton kernel as with PyTorch + SDPA. float32, so 1e-4 absorbs reduction order only."""
+    config = modeling.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = modeling.LlamaForCausalLM(config).to(DEVICE)
+    with torch.no_grad():   # non-trivial norm weights, so dw of each RMSNorm is checked too
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, 96, (2, 21)).to(DEVICE)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+
+    def loss_and_grads(kernels, attn):
+        patch.apply_kernels(model, kernels, attn)
+        model.zero_grad()
+        loss = model(ids, labels=labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    params_before = {n: id(p) for n, p in model.named_parameters()}
+    loss_torch, grads_torch = loss_and_grads("torch", "sdpa")
+    loss_triton, grads_triton = loss_and_grads("triton", "triton")
+    assert isinstance(model.model.norm, patch.KernelRMSNorm)
+    assert {n: id(p) for n, p in model.named_parameters()} == params_before   # same Parameters, same names
+    torch.testing.assert_close(loss_triton, loss_torch, atol=1e-5, rtol=1e-5)
+    for name in grads_torch:
+        torch.testing.assert_close(grads_triton[name], grads_torch[name], atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+    # ... and back: the torch path is restored exactly.
+    loss_back, _ = loss_and_grads("torch", "eager")
+    assert type(model.model.norm) is modeling.RMSNorm
+    torch.testing.assert_close(loss_back, loss_torch, atol=1e-6, rtol=1e-6)
+
+
+def test_apply_kernels_rejects_unknown_choices():
+    model = modeling.LlamaForCausalLM(modeling.LlamaConfig(num_hidden_layers=1))
+    with pytest.raises(ValueError, match="kernels="):
+        patch.apply_kernels(model, "cuda")
+    with pytest.raises(ValueError, match="attn="):
+        patch.apply_kernels(model, "torch", "flash")
+    assert patch.KERNEL_CHOICES == ("torch", "triton") and patch.ATTN_CHOICES == ("sdpa", "eager", "triton")
