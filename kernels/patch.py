@@ -24,6 +24,7 @@ the parallel wrappers.
 """
 from importlib import import_module
 
+import torch
 from torch import nn
 
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
@@ -59,12 +60,12 @@ def _replace_norms(model: nn.Module, make):
             setattr(model.get_submodule(parent_name), child, make(module))
 
 
-def _check_triton_can_run(model: nn.Module):
+def _check_triton_can_run():
+    # Not the model's device: train.py applies kernels before it moves the model to the GPU.
     import triton
-    device = next(model.parameters()).device
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError(f"Triton kernels need a CUDA device, but the model is on {device}. On CPU, start Python "
-                           "with TRITON_INTERPRET=1 to run them in Triton's interpreter (slow: for tests only)")
+    if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+        raise RuntimeError("Triton kernels need a CUDA GPU and none is visible. On CPU, start Python with "
+                           "TRITON_INTERPRET=1 to run them in Triton's interpreter (slow: for tests only)")
 
 
 def apply_kernels(model, kernels: str = "torch", attn: str = "sdpa"):
@@ -80,7 +81,7 @@ def apply_kernels(model, kernels: str = "torch", attn: str = "sdpa"):
     if attn not in ATTN_CHOICES:
         raise ValueError(f"attn={attn!r}: choose one of {ATTN_CHOICES}")
     if "triton" in (kernels, attn):
-        _check_triton_can_run(model)
+        _check_triton_can_run()
 
     if kernels == "triton":   # imported here: the torch path never loads Triton
         rmsnorm = import_module("kernels.rmsnorm").rmsnorm
