@@ -253,7 +253,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = do.contiguous()
+        do = do.contiguous().to(q.dtype)     # tl.dot needs both operands in one dtype
         B, H, T, D = q.shape
         H_KV = k.shape[1]
         cfg, causal, scale = ctx.cfg, ctx.causal, ctx.scale

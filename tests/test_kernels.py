@@ -10,7 +10,8 @@ ignored targets, chunks that do not divide the tokens.
 Tolerances:
   float32   The kernels compute in float32 as the references do. Only the order of the reductions
             differs, which costs a few float32 ulps of the largest value: atol = rtol = 1e-5. The
-            whole model, where errors pass through 2 layers and the loss, gets 1e-4.
+            whole model, where errors pass through 2 layers and the loss, gets 1e-4. Under bf16 autocast
+            the whole model gets a relative bound, explained in that test.
   bfloat16  The kernel and the eager bf16 reference both round, at different places. The rule is
             the FlashAttention test suite's: the kernel's error against the float64 truth (the
             reference run on the same bf16 values upcast) must be at most twice the eager bf16
@@ -20,6 +21,9 @@ On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below be
 Triton). The shapes are tiny because the interpreter is slow. On a CUDA machine they are compiled.
 """
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -30,6 +34,7 @@ from importlib import import_module  # noqa: E402
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 modeling = import_module("01_single_gpu.model")
 rms = import_module("kernels.rmsnorm")
@@ -39,6 +44,7 @@ flce = import_module("kernels.fused_linear_cross_entropy")
 fa = import_module("kernels.flash_attention")
 patch = import_module("kernels.patch")
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
     raise RuntimeError("kernels/ was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 pytest")
@@ -146,6 +152,36 @@ def test_fused_cross_entropy_without_grad_and_chunk_rule():
         assert 1 <= chunk <= n and chunk * v <= 2 * n * c
 
 
+class LargestTensor(TorchFunctionMode):
+    """Records the largest tensor (in elements) returned by any torch call made from Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape = 0, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+def test_fused_cross_entropy_never_materialises_logits():
+    """The docstring's memory claim, checked on what the code allocates. Eager creates the (N, V)
+    logits. The fused path's largest tensor is dW (V, C). Its logits exist one (chunk, V) slab at a time."""
+    N, C, V, chunk = 74, 48, 100, 16
+    h = randn(N, C).to(DEVICE).requires_grad_()
+    w = randn(V, C, seed=1).to(DEVICE).requires_grad_()
+    t = torch.randint(0, V, (N,)).to(DEVICE)
+    with LargestTensor() as eager:
+        flce.linear_cross_entropy_reference(h, w, t).backward()
+    with LargestTensor() as fused:
+        flce.fused_linear_cross_entropy(h, w, t, chunk=chunk).backward()
+    assert eager.shape == (N, V)
+    assert fused.shape == (V, C) and fused.numel < N * V and chunk * V <= fused.numel
+
+
 # === flash attention ===
 
 @pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.float32, False),
@@ -204,6 +240,35 @@ def test_apply_kernels_matches_torch_path():
     torch.testing.assert_close(loss_back, loss_torch, atol=1e-6, rtol=1e-6)
 
 
+def test_apply_kernels_under_bf16_autocast():
+    """Mixed precision as train.py runs it: float32 master weights, bf16 autocast. Both paths round to
+    bf16 (8 significant bits) at different places. FlashAttention rounds P, the fused loss rounds
+    dlogits, and RMSNorm/RoPE keep the model's dtype promotions. So each parameter's gradient may
+    differ by a few bf16 roundings: 2% relative (Frobenius). A wrong formula would be off by O(1)."""
+    config = modeling.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = modeling.LlamaForCausalLM(config).to(DEVICE)
+    ids = torch.randint(0, 96, (2, 21)).to(DEVICE)
+    labels = torch.roll(ids, -1, dims=1)
+
+    def loss_and_grads(kernels, attn):
+        patch.apply_kernels(model, kernels, attn)
+        model.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(ids, labels=labels)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_torch, grads_torch = loss_and_grads("torch", "sdpa")
+    loss_triton, grads_triton = loss_and_grads("triton", "triton")
+    assert abs(loss_triton - loss_torch) <= 1e-3 * abs(loss_torch)
+    for name, g in grads_torch.items():
+        assert grads_triton[name].dtype == g.dtype == torch.float32
+        rel = ((grads_triton[name] - g).norm() / g.norm()).item()
+        assert rel < 2e-2, f"{name}: relative gradient difference {rel:.3g}"
+
+
 def test_apply_kernels_rejects_unknown_choices():
     model = modeling.LlamaForCausalLM(modeling.LlamaConfig(num_hidden_layers=1))
     with pytest.raises(ValueError, match="kernels="):
@@ -211,3 +276,11 @@ def test_apply_kernels_rejects_unknown_choices():
     with pytest.raises(ValueError, match="attn="):
         patch.apply_kernels(model, "torch", "flash")
     assert patch.KERNEL_CHOICES == ("torch", "triton") and patch.ATTN_CHOICES == ("sdpa", "eager", "triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_refuses_without_gpu():
+    result = subprocess.run([sys.executable, str(ROOT / "kernels" / "bench.py")], capture_output=True, text=True,
+                            timeout=100, cwd=ROOT)
+    assert result.returncode != 0
+    assert "kernels/bench.py needs a CUDA GPU" in result.stderr

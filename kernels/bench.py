@@ -1,0 +1,239 @@
+"""Time the Triton kernels against eager PyTorch, torch.compile and (for attention) SDPA on one GPU.
+
+Playbook chapter 4: §4.0.2 "try torch.compile first", §4.0.7 fusion, §4.0.8 FlashAttention. Timing
+follows App. 5.1.8: CUDA events around each call, after warm-up calls. Before every timed call, a
+256 MB buffer is written to evict L2 (50 MB on an H100), so the bandwidth measured is HBM's, not the
+cache's. Shapes are Llama-sized and bf16. Every kernel is timed forward only (under no_grad) and
+forward + backward:
+  memory-bound kernels (RMSNorm, SwiGLU, RoPE): effective bandwidth = the bytes the operation must
+      move at minimum / time. Minimum bytes per call, b = 2 bytes (bf16):
+          RMSNorm fwd 2·N·C·b,  bwd 3·N·C·b      SwiGLU fwd 3·N·F·b,  bwd 5·N·F·b      RoPE fwd = bwd = 2·N·C·b
+      Also shown as a fraction of the device-to-device copy bandwidth measured in the same run.
+  attention: TFLOP/s, with forward 4·B·nh·T²·hd (halved when causal) and backward 2.5× the forward
+      (the usual convention). Also shown as a fraction of an 8192³ bf16 matmul measured in the same run.
+  fused linear cross-entropy: TFLOP/s of its GEMMs (2·N·V·C forward, 6·N·V·C with backward), and the
+      peak extra memory of forward + backward against eager (torch.cuda.max_memory_allocated).
+
+    python kernels/bench.py                    # every shape, with torch.compile (~10-20 min)
+    python kernels/bench.py --quick --no-compile
+Writes kernels/results/<device>.md and <device>.json (device, torch / Triton / CUDA versions, every row).
+"""
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python kernels/bench.py` from anywhere
+
+import argparse
+import json
+import re
+import statistics
+import time
+from importlib import import_module
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"           # the one place the device is named
+DTYPE = torch.bfloat16
+# (tokens N = seq at batch 1, hidden C, intermediate F): Llama-3.2-1B and Llama-3-8B widths
+ROW_SHAPES = [(2048, 2048, 8192), (8192, 2048, 8192), (2048, 4096, 14336), (8192, 4096, 14336)]
+ATTN_SHAPES = [(1, 32, 8, 2048, 128), (1, 32, 8, 8192, 128)]   # B, nh, nkv, T, hd (Llama-3-8B attention)
+CE_SHAPES = [(2048, 2048, 128256), (8192, 4096, 128256)]       # N tokens, C, V (Llama-3 vocabulary)
+EAGER_ATTN_MAX_T = 4096   # beyond it, eager's (B, nh, T, T) float32 scores and their gradients exceed 30 GB
+
+
+class Timer:
+    """Median milliseconds of fn() over `iters` calls, each timed by its own pair of CUDA events."""
+
+    def __init__(self, warmup: int, iters: int):
+        self.warmup, self.iters = warmup, iters
+        self.l2_flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEVICE)
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):              # also triggers Triton JIT and torch.compile
+            fn()
+        events = []
+        for _ in range(self.iters):
+            self.l2_flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()                  # the CPU only queued the work; wait before reading events
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def measure_peaks(timer):
+    """What this GPU reaches on the two things kernels can be bound by: bf16 GEMM and HBM copy."""
+    n = 8192
+    a, b = torch.randn(n, n, device=DEVICE, dtype=DTYPE), torch.randn(n, n, device=DEVICE, dtype=DTYPE)
+    mm_ms = timer(lambda: a @ b)
+    x = torch.empty(2**29, device=DEVICE, dtype=DTYPE)                  # 1 GiB
+    y = torch.empty_like(x)
+    copy_ms = timer(lambda: y.copy_(x))
+    return {"matmul_bf16_tflops": 2 * n**3 / mm_ms / 1e9, "copy_gbps": 2 * x.numel() * 2 / copy_ms / 1e6}
+
+
+def forward_only(fn, inputs):
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+    return run
+
+
+def forward_backward(fn, inputs, grad_out):
+    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    def run():   # autograd.grad, not backward(): no .grad accumulation kernels in the timing
+        torch.autograd.grad(fn(*inputs), wrt, grad_out)
+    return run
+
+
+def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work_fwd, work_fwd_bwd):
+    peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["matmul_bf16_tflops"]
+    to_rate = 1e6 if unit == "GB/s" else 1e9           # bytes/ms -> GB/s, FLOP/ms -> TFLOP/s
+    for impl, fn in impls.items():
+        for pass_name, run, work in (("fwd", forward_only(fn, inputs), work_fwd),
+                                     ("fwd+bwd", forward_backward(fn, inputs, grad_out), work_fwd_bwd)):
+            row = dict(kernel=kernel, shape=shape, impl=impl, pass_=pass_name, unit=unit)
+            try:
+                ms = timer(run)
+                row.update(ms=ms, rate=work / ms / to_rate, of_peak=work / ms / to_rate / peak)
+            except Exception as e:   # an OOM or a compile failure is a result too; keep going
+                row.update(ms=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(format_row(row), flush=True)
+
+
+def format_row(r):
+    if r.get("ms") is None:
+        return f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | failed: {r['error']} | | |"
+    return (f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | "
+            f"{r['rate']:.1f} {r['unit']} | {100 * r['of_peak']:.0f}% |")
+
+
+def peak_extra_gib(fn, inputs):
+    """Peak memory above what was allocated before one forward + backward, in GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    forward_backward(fn, inputs, None)()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def gib_text(gib):
+    return "failed" if gib is None else f"{gib:.2f}"
+
+
+def run_all(args, timer, peaks):
+    rms, swi, rot = (import_module(f"kernels.{m}") for m in ("rmsnorm", "swiglu", "rope"))
+    flce, fa = import_module("kernels.fused_linear_cross_entropy"), import_module("kernels.flash_attention")
+    modeling = import_module("01_single_gpu.model")
+    rows, memory = [], []
+    take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
+    randn = lambda *s, grad=True: torch.randn(*s, device=DEVICE, dtype=DTYPE).requires_grad_(grad)  # noqa: E731
+
+    def impls(reference, triton_fn, **extra):
+        torch._dynamo.reset()    # a fresh compile per shape: no silent fallback to eager at the recompile limit
+        out = {"eager": reference}
+        if args.compile:
+            out["torch.compile"] = torch.compile(reference)
+        return {**out, **extra, "triton": triton_fn}
+
+    for n, c, f in take(ROW_SHAPES):
+        b = 2
+        x, w = randn(n, c), randn(c)
+        bench(rows, timer, peaks, "rmsnorm", f"N={n} C={c}",
+              impls(lambda x, w: rms.rmsnorm_reference(x, w, 1e-5), lambda x, w: rms.rmsnorm(x, w, 1e-5)),
+              (x, w), torch.randn_like(x), "GB/s", 2 * n * c * b, 5 * n * c * b)
+        gate, up = randn(n, f), randn(n, f)
+        bench(rows, timer, peaks, "swiglu", f"N={n} F={f}", impls(swi.swiglu_reference, swi.swiglu),
+              (gate, up), torch.randn_like(gate), "GB/s", 3 * n * f * b, 8 * n * f * b)
+        q = randn(1, c // 128, n, 128)                                         # (B, nh, T, hd)
+        cos, sin = modeling.rotary_cos_sin(torch.arange(n, device=DEVICE), 128, 500000.0, DTYPE)
+        bench(rows, timer, peaks, "rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
+              (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
+
+    for B, nh, nkv, T, hd in take(ATTN_SHAPES):
+        q, k, v = randn(B, nh, T, hd), randn(B, nkv, T, hd), randn(B, nkv, T, hd)
+        sdpa = {"sdpa-flash": sdpa_flash(modeling.sdpa_attention)}
+        variants = impls(lambda q, k, v: fa.attention_reference(q, k, v, True), fa.causal_flash_attention, **sdpa)
+        if T > EAGER_ATTN_MAX_T:
+            variants = {k: fn for k, fn in variants.items() if k in ("sdpa-flash", "triton")}
+        flops = 4 * B * nh * T * T * hd / 2                                   # causal: half the scores
+        bench(rows, timer, peaks, "attention", f"B={B} nh={nh} nkv={nkv} T={T} hd={hd}", variants,
+              (q, k, v), torch.randn_like(q), "TFLOP/s", flops, 3.5 * flops)
+
+    for n, c, vocab in take(CE_SHAPES):
+        h, w = randn(n, c), (torch.randn(vocab, c, device=DEVICE, dtype=DTYPE) * 0.02).requires_grad_()
+        targets = torch.randint(0, vocab, (n,), device=DEVICE)
+        variants = impls(flce.linear_cross_entropy_reference, flce.fused_linear_cross_entropy)
+        bench(rows, timer, peaks, "linear+cross-entropy", f"N={n} C={c} V={vocab}", variants,
+              (h, w, targets), None, "TFLOP/s", 2 * n * vocab * c, 6 * n * vocab * c)
+        for impl, fn in variants.items():
+            try:
+                gib = peak_extra_gib(fn, (h, w, targets))
+            except Exception:   # OOM (the point of the comparison) or a compile failure
+                gib = None
+                torch.cuda.empty_cache()
+            memory.append(dict(shape=f"N={n} C={c} V={vocab}", impl=impl, peak_extra_gib=gib,
+                               logits_gib=n * vocab * 2 / 2**30))
+            print(f"  peak extra memory of {impl}: {gib_text(gib)} GiB", flush=True)
+    return rows, memory
+
+
+def sdpa_flash(sdpa_attention):
+    """01's sdpa_attention (k/v repeated for GQA, causal) with SDPA pinned to its FlashAttention backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa_attention(q, k, v)
+    return run
+
+
+def write_results(meta, peaks, rows, memory):
+    RESULTS.mkdir(exist_ok=True)
+    stem = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(dict(meta, peaks=peaks, rows=rows, memory=memory), indent=1))
+    lines = [f"# Kernel benchmark: {meta['device']}", "",
+             f"torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}. "
+             f"Written by `python kernels/bench.py`.", "",
+             f"Measured peaks in this run: bf16 matmul {peaks['matmul_bf16_tflops']:.0f} TFLOP/s, "
+             f"device-to-device copy {peaks['copy_gbps']:.0f} GB/s.", "",
+             "| kernel | shape | impl | pass | ms | rate | of peak |", "|---|---|---|---|---|---|---|",
+             *map(format_row, rows), "",
+             "## Linear + cross-entropy: peak extra memory of forward + backward", "",
+             "| shape | impl | peak extra GiB | bf16 logits alone GiB |", "|---|---|---|---|",
+             *(f"| {m['shape']} | {m['impl']} | {gib_text(m['peak_extra_gib'])} | {m['logits_gib']:.2f} |"
+               for m in memory)]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / stem}.md and .json")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Time the Triton kernels against eager, torch.compile and SDPA")
+    p.add_argument("--quick", action="store_true", help="only the first shape of each kernel")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("kernels/bench.py needs a CUDA GPU; none is visible. On CPU the kernels are tested, not "
+                 "timed: TRITON_INTERPRET=1 pytest tests/test_kernels.py")
+    import triton
+    torch.manual_seed(0)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d"))
+    print(f"{meta['device']}: torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}")
+    timer = Timer(args.warmup, args.iters)
+    peaks = measure_peaks(timer)
+    print(f"peaks: {peaks['matmul_bf16_tflops']:.0f} TFLOP/s bf16 matmul, {peaks['copy_gbps']:.0f} GB/s copy")
+    rows, memory = run_all(args, timer, peaks)
+    write_results(meta, peaks, rows, memory)
+
+
+if __name__ == "__main__":
+    main()
