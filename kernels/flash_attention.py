@@ -26,14 +26,15 @@ storing it (selective recomputation, §2.1, for free). With Δ = rowsum(dO ∘ O
   2. `_attn_bwd_dkdv_kernel` one program per key block: loops over all query blocks (and over the
      nh/nkv query heads of its group, which sums the GQA gradient) and accumulates dK, dV in registers
   3. `_attn_bwd_dq_kernel`   one program per query block: loops over key blocks and accumulates dQ
-Every output tile has exactly one owner program, so no atomics are needed. The price is computing
-Q Kᵀ twice in backward (once for dK/dV, once for dQ).
+Every output tile has exactly one owner program, so no atomics are needed. The price is that both
+kernels compute S = Q Kᵀ and dP = dO Vᵀ, so two of the seven GEMMs are repeated.
 
 Cost (causal halves everything):
-    FLOPs    forward 4·B·nh·T²·hd, backward 10·B·nh·T²·hd here (the 2 recomputed GEMMs included;
-             the usual convention counts 8)
+    FLOPs    forward 4·B·nh·T²·hd. Backward by the usual convention 10·B·nh·T²·hd (2.5× forward:
+             5 GEMMs); this kernel does 14·B·nh·T²·hd (7 GEMMs, see above)
     memory   O(B·nh·T) extra (LSE, Δ), instead of O(B·nh·T²) for P
-    HBM      forward reads K, V T/BLOCK_M times: ≈ 2·B·nkv·T·hd·b·(T/BLOCK_M) + Q and O once
+    HBM      forward: each of the T/BLOCK_M query blocks of each head reads all of its K and V, so
+             ≈ 2·B·nh·T·hd·b·(T/BLOCK_M) (heads of a GQA group often hit L2), plus Q and O once
 
 Limits: hd is padded to a power of two ≥ 16 (the smallest tl.dot tile), so hd = 16/32/64/128 run at
 full efficiency and others waste the padding. Masks handle any T. Inputs are made contiguous

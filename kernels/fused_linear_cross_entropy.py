@@ -8,11 +8,13 @@ processed in chunks of `chunk` tokens:
     dh_c = dlogits_c W,   dW += dlogits_cᵀ h_c           torch GEMMs
 Only one chunk of logits exists at a time.
 
-Memory. With eager PyTorch, N·V·b bytes of logits, a float32 copy (N·V·4) and the float32 gradient
-of the same size are alive at the peak. For Llama-3's V = 128,256 and N = 8 × 8192 tokens in bf16,
-that is 8.4 GB + 16.8 GB. Fused, the peak extra is chunk·V·4 bytes plus the two stored gradients
-dh (N·C·b) and dW (V·C·4). The default chunk makes chunk·V ≈ N·C, so the logits chunk is no bigger
-than the hidden states (the heuristic of Liger-Kernel, Hsu et al. 2024).
+Memory. At its peak, eager PyTorch holds several (N, V) tensors: the logits (b bytes each), their
+float32 copy, the float32 log-softmax saved for backward, and in backward float32 gradients of the
+same size. That is ≈ N·V·(b + 4 + 4) bytes. Fused, the extra memory is one chunk of float32 logits
+(chunk·V·4) plus the gradients it keeps, dh (N·C·b) and a float32 dW accumulator (V·C·4). The
+default chunk makes chunk·V ≈ N·C, so a logits chunk is no bigger than the hidden states (the
+heuristic of Liger-Kernel, Hsu et al. 2024). Example: Llama-3-8B (V = 128,256, C = 4096) with
+N = 8192 bf16 tokens: eager ≈ 10.5 GB; fused chunk = 256, so 0.13 GB of logits + 0.07 GB dh + 2.1 GB dW.
 
 Gradients are computed inside the forward, as Liger does. The softmax that gives the loss also gives
 dlogits = softmax - onehot(target), so while a chunk is in memory we go on to dh_c and dW. backward()

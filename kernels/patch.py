@@ -20,7 +20,7 @@ Order with other transforms: apply kernels first, then recompute (`apply_recompu
 the parallel wrappers.
 
     python 01_single_gpu/train.py --device cuda --dtype bfloat16 --kernels triton --attn triton
-        (once train.py exposes the flags, with choices KERNEL_CHOICES and ATTN_CHOICES below)
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py     # CPU: same loss and grads as PyTorch
 """
 from importlib import import_module
 
