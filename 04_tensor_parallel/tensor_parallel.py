@@ -1,0 +1,265 @@
+"""Tensor parallelism (Megatron-LM): every weight matrix of a block split over the `tp` ranks.
+
+Playbook §2.3, Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021 §2.3, §4.2.2). Two block
+identities of matrix multiplication ([PB] §2.3):
+
+    column-parallel  Y = X·Aᵀ with A split by output rows:  Y = [X·A₁ᵀ, X·A₂ᵀ, …]   (X replicated)
+    row-parallel     Y = X·Aᵀ with A split by input columns: Y = Σᵢ Xᵢ·Aᵢᵀ         (X sharded)
+
+A block is column-then-row, so it needs one collective per direction ([MEG] Fig. 5):
+    attention  q/k/v column-parallel (split by heads) -> attention on nh/tp heads -> o_proj row-parallel
+    MLP        gate/up column-parallel -> SwiGLU on F/tp features -> down_proj row-parallel
+entered through f = `copy_to_tp_region` (identity forward, all-reduce backward) and left through
+f̄ = `reduce_from_tp_region` (all-reduce forward, identity backward). Per layer and micro-batch:
+
+    2 all-reduces forward + 2 backward, each of b·s·h elements; a ring all-reduce sends 2(t−1)/t of
+    its tensor per rank, so 4·b·s·h·(t−1)/t per pass and 8·b·s·h·(t−1)/t per layer and micro-batch
+    ([MEG] §4.2.2: "8bsh(t−1)/t")
+
+The embedding and the loss are vocab-parallel (`vocab_parallel.py`); RMSNorm weights are replicated
+and see the same input on every rank, so their gradients agree without any communication ([PB]
+L1313). Weights, gradients and AdamW states of the linears shrink to 1/t per rank.
+
+    torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 4 --num-kv-heads 4
+    torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2
+
+New compared with 02: the model itself is split, applied from outside by `apply_tensor_parallel`,
+which slices the full, identically seeded weights (so the loss equals 01's from step one).
+Shape legend (model.py): B batch, T sequence, C hidden, F intermediate, V vocab, t = tp size.
+"""
+import functools
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+comm = import_module("02_data_parallel.comm")
+
+
+# ======================================================================================
+# The four region functions (Megatron's f, f̄ and the gather/scatter pair)
+# ======================================================================================
+def all_gather_along(x, dim, group):
+    """(…, n/t, …) on each rank -> (…, n, …): the shards concatenated along `dim` in rank order."""
+    size = dist.get_world_size(group)
+    flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
+    comm.all_gather_flat(flat, x.movedim(dim, 0).contiguous().flatten(), group=group)   # (t·numel,)
+    gathered = flat.view(size * x.shape[dim], *x.movedim(dim, 0).shape[1:])              # (n, …)
+    return gathered.movedim(0, dim).contiguous()
+
+
+def split_along(x, dim, group):
+    """(…, n, …) -> this rank's (…, n/t, …) slice; no communication."""
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class CopyToTPRegion(torch.autograd.Function):
+    """f: forward identity (every rank already holds X); backward all-reduce (sum) of dL/dX over the
+    group, since each rank's column shard contributed its part of the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp
+        return grad, None
+
+
+class ReduceFromTPRegion(torch.autograd.Function):
+    """f̄: forward all-reduce (sum) of the partial row-parallel outputs; backward identity (every rank
+    needs the whole dL/dY)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)                            # (B, T, C) summed over tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromTPRegion(torch.autograd.Function):
+    """Forward all-gather along the last dim ((…, n/t) -> (…, n)); backward keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, -1, ctx.group), None
+
+
+class ScatterToTPRegion(torch.autograd.Function):
+    """Forward keep this rank's slice of the last dim ((…, n) -> (…, n/t)); backward all-gather it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, -1, ctx.group), None
+
+
+def copy_to_tp_region(x, group):
+    return CopyToTPRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    return ReduceFromTPRegion.apply(x, group)
+
+
+def gather_from_tp_region(x, group):
+    return GatherFromTPRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x, group):
+    return ScatterToTPRegion.apply(x, group)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """How activations enter the column-parallel linears and leave the row-parallel ones (and the
+    vocab-parallel embedding). Sequence parallelism (05) swaps in all-gather / reduce-scatter."""
+    enter: Callable   # (x, group) -> x as every column shard needs it
+    exit: Callable    # (partial x, group) -> x summed over the group
+
+
+TENSOR_PARALLEL = Regions(enter=copy_to_tp_region, exit=reduce_from_tp_region)
+
+
+# ======================================================================================
+# Parallel linear layers
+# ======================================================================================
+def shard_parameter(full, dim, tp_rank, tp_size):
+    """This rank's contiguous 1/tp of the full (identically seeded) weight, as a marked Parameter."""
+    shard = nn.Parameter(full.detach().chunk(tp_size, dim=dim)[tp_rank].clone())
+    shard.tp_sharded = True   # counted once per shard by `clip_grad_norm_tp`
+    return shard
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X·A_rᵀ: weight (out/t, in), rows [r·out/t, (r+1)·out/t) of the dense one.
+
+    X (…, in) must be identical on every rank, i.e. already inside the region (`enter_region` on the
+    module that reads it: one f for q, k and v together, as Megatron's fused QKV has one).
+    Output (…, out/t), or (…, out) with gather_output.
+    """
+
+    def __init__(self, weight, tp_rank, tp_size, tp_group, gather_output=False):
+        super().__init__()
+        self.weight = shard_parameter(weight, 0, tp_rank, tp_size)        # (out/t, in)
+        self.tp_group, self.gather_output = tp_group, gather_output
+
+    def forward(self, x):                                                 # (…, in)
+        y = F.linear(x, self.weight)                                      # (…, out/t)
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = Σ_r X_r·A_rᵀ: weight (out, in/t), columns [r·in/t, (r+1)·in/t) of the dense one.
+
+    X (…, in/t) is this rank's shard (the output of a column-parallel layer); the partial products
+    are summed by `exit_region` (f̄ all-reduce; sequence parallelism's reduce-scatter).
+    """
+
+    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=reduce_from_tp_region):
+        super().__init__()
+        self.weight = shard_parameter(weight, 1, tp_rank, tp_size)        # (out, in/t)
+        self.tp_group, self.exit_region = tp_group, exit_region
+
+    def forward(self, x):                                                 # (…, in/t)
+        return self.exit_region(F.linear(x, self.weight), self.tp_group)  # (…, out) partial -> summed
+
+
+def enter_region(module, enter, group):
+    """Apply `enter` to the first input of `module` (from outside, keeping parameter names)."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(x, *rest):
+        return inner(enter(x, group), *rest)
+    module.forward = forward
+
+
+# ======================================================================================
+# Applying it to the 01 model
+# ======================================================================================
+def check_tensor_parallel(config, tp: int):
+    """Raise a clear error for a layout TP cannot split (call before any process group exists)."""
+    for name, n in (("num_attention_heads", config.num_attention_heads),
+                    ("num_key_value_heads", config.num_key_value_heads),
+                    ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+        if n % tp:
+            fix = (" (grouped-query attention: each rank needs whole key/value heads; pass --num-kv-heads "
+                   f"a multiple of {tp}, or use a smaller --tp)" if name == "num_key_value_heads" else
+                   f" (choose --tp dividing it, or change --{name.replace('_', '-').replace('num-attention', 'num')})")
+            raise ValueError(f"tp={tp} does not divide {name}={n}{fix}")
+
+
+def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
+    """Split a full LlamaForCausalLM over grid.tp_group in place; returns it.
+
+    Every rank built the same full model (same seed or --init-from), so slicing gives exactly the
+    dense weights, sharded. Parameter names are unchanged; each rank's state dict holds its shards.
+    """
+    vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
+    check_tensor_parallel(model.config, grid.tp_size)
+    tp = (grid.tp_rank, grid.tp_size, grid.tp_group)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):     # split by heads: rows are (heads, hd)
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name).weight, *tp))
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight, *tp, exit_region=regions.exit)
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj.weight, *tp)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj.weight, *tp)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, *tp, exit_region=regions.exit)
+        enter_region(attn, regions.enter, grid.tp_group)
+        enter_region(mlp, regions.enter, grid.tp_group)
+    model.model.embed_tokens = vocab_parallel.VocabParallelEmbedding(
+        model.model.embed_tokens.weight, *tp, exit_region=regions.exit)
+    model.lm_head = ColumnParallelLinear(model.lm_head.weight, *tp)     # (V/t, C): the logits stay sharded
+    if model.config.tie_word_embeddings:  # both are vocab rows [r·V/t, (r+1)·V/t): the same shard
+        model.lm_head.weight = model.model.embed_tokens.weight
+    enter_region(model.lm_head, regions.enter, grid.tp_group)
+    model.loss_fn = functools.partial(vocab_parallel.vocab_parallel_loss, group=grid.tp_group,
+                                      vocab_start=grid.tp_rank * model.config.vocab_size // grid.tp_size)
+    return model
+
+
+# ======================================================================================
+# Gradient clipping with sharded parameters
+# ======================================================================================
+@torch.no_grad()
+def clip_grad_norm_tp(params, max_norm, tp_group):
+    """Clip by the norm of the whole model's gradient, as 01 does.
+
+    ‖g‖² = Σ_tp ‖sharded part‖² + ‖replicated part‖²: the shards are disjoint pieces (summed over
+    the group), the replicated norms are equal on every rank (counted once). Returns ‖g‖.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
+    replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_sharded", False)]
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)     # bf16 grads are summed in fp32
+    zero = torch.zeros((), dtype=dtype, device=grads[0].device)
+    sharded_sq = sum((g.to(dtype).pow(2).sum() for g in sharded), zero)
+    dist.all_reduce(sharded_sq, group=tp_group)                     # scalar: Σ over the tp shards
+    total = (sharded_sq + sum((g.to(dtype).pow(2).sum() for g in replicated), zero)).sqrt()
+    if max_norm > 0:  # the same coefficient as torch.nn.utils.clip_grad_norm_
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total

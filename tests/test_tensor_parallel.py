@@ -1,0 +1,259 @@
+"""04_tensor_parallel: every parallel layer against its dense twin, and whole runs against 01.
+
+Layer level (2 gloo ranks): the region functions, ColumnParallelLinear, RowParallelLinear, the
+vocab-parallel embedding and loss, attention split by heads (GQA), the MLP, a whole decoder layer:
+forward outputs and every gradient (input and weight shards) against the dense layer with the same
+weights. float64 there, so only summation order differs: 1e-12 is far below any wrong slice.
+Whole runs (float32, 3 AdamW steps): losses, gradient norms and final parameter shards equal
+01_single_gpu's for the same global batch. rtol 1e-5 on losses/norms: the all-reduced partial sums
+round differently from one matmul (float32 ε ≈ 1.2e-7, a few hundred terms). atol 2e-5 on
+parameters: AdamW's m/(√v + 1e-8) turns gradient rounding on near-zero entries into update
+differences of up to ~lr·1e-3 = 3e-6 per step; a wrong shard or a missed reduction differs by ~lr.
+The measured communication is checked against the formula in tensor_parallel.py's docstring.
+"""
+import copy
+import subprocess
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import common
+from harness import run_ranks
+
+base = import_module("01_single_gpu.train")
+modeling = import_module("01_single_gpu.model")
+hf_io = import_module("01_single_gpu.hf_io")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
+tp_train = import_module("04_tensor_parallel.train")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXACT = dict(rtol=1e-12, atol=1e-12)      # float64 layer twins
+LOSS = dict(rtol=1e-5, atol=0)
+PARAMS = dict(rtol=0, atol=2e-5)
+
+
+# ======================================================================================
+# Helpers shared with test_context_parallel.py
+# ======================================================================================
+def shard_like(full, local, rank, size):
+    """The slice of a dense tensor that a rank's (possibly sharded) tensor should equal."""
+    for dim, (n, m) in enumerate(zip(full.shape, local.shape)):
+        if n != m:
+            return full.chunk(size, dim=dim)[rank]
+    return full
+
+
+def reference(*extra, **kw):
+    """01_single_gpu on the same flags: (losses, grad norms, final state dict)."""
+    args = base.cli.parse_args(base.cli.core_parser("reference"), common.argv(*extra, **kw))
+    records, model = base.run(args)
+    return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def train_layouts(layouts, steps=3):
+    """On every rank: run NN/train.py's run() for each (module, flags); losses, norms, state dicts."""
+    results = []
+    for module, extra in layouts:
+        train = import_module(module)
+        args = base.cli.parse_args(train.build_parser("test"), common.argv(*extra, steps=steps))
+        config = tp_train.config_of(args)
+        train.check_layout(args, config)
+        records, model = train.run(args, config)
+        results.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],   # numpy: pickled
+                        {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}))  # by value
+    return results
+
+
+def assert_matches_reference(per_rank, ref, tp):
+    """Every rank's losses and norms equal 01's; its parameters equal its tp shard of 01's."""
+    ref_losses, ref_norms, ref_state = ref
+    for rank, (losses, norms, state) in enumerate(per_rank):
+        torch.testing.assert_close(losses, ref_losses, **LOSS)
+        torch.testing.assert_close(norms, ref_norms, **LOSS)
+        assert state.keys() == ref_state.keys()
+        for name, local in state.items():
+            local = torch.from_numpy(local)
+            torch.testing.assert_close(local, shard_like(ref_state[name], local, rank % tp, tp), **PARAMS,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+# ======================================================================================
+# Layer level
+# ======================================================================================
+def _twin_grads(out, dense_out, inputs, params, dense_params, rank, size):
+    """Backward the same upstream gradient through both; compare outputs and all gradients."""
+    torch.testing.assert_close(out, dense_out, **EXACT)
+    upstream = torch.randn_like(dense_out)
+    out.backward(upstream)
+    dense_out.backward(upstream)
+    for x, dense_x in inputs:
+        torch.testing.assert_close(x.grad, dense_x.grad, **EXACT)
+    for p, dense_p in zip(params, dense_params):
+        torch.testing.assert_close(p.grad, shard_like(dense_p.grad, p.grad, rank, size), **EXACT)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def check_layers():
+    grid = process_grid.build_process_grid(tp=2)
+    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
+    torch.manual_seed(0)   # the same dense twins and inputs on every rank
+    torch.set_default_dtype(torch.float64)
+    B, T, C, V = 2, 8, 32, 64
+
+    # Column-parallel (entered with f, gathered at the end) and row-parallel (scattered input).
+    dense = nn.Linear(C, 48, bias=False)
+    x = _leaf(torch.randn(B, T, C))
+    dense_x = _leaf(x)
+    column = tensor_parallel.ColumnParallelLinear(dense.weight, rank, size, group, gather_output=True)
+    _twin_grads(column(tensor_parallel.copy_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
+                [column.weight], [dense.weight], rank, size)
+    dense = nn.Linear(48, C, bias=False)
+    x = _leaf(torch.randn(B, T, 48))
+    dense_x = _leaf(x)
+    row = tensor_parallel.RowParallelLinear(dense.weight, rank, size, group)
+    _twin_grads(row(tensor_parallel.scatter_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
+                [row.weight], [dense.weight], rank, size)
+
+    # The whole model's pieces: embedding, attention (GQA: 4 heads, 2 kv heads), MLP, layer, loss.
+    config = modeling.LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=48, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    dense_model = modeling.LlamaForCausalLM(config)
+    model = tensor_parallel.apply_tensor_parallel(copy.deepcopy(dense_model), grid)
+    ids = torch.randint(0, V, (B, T))
+    emb, dense_emb = model.model.embed_tokens, dense_model.model.embed_tokens
+    _twin_grads(emb(ids), dense_emb(ids), [], [emb.weight], [dense_emb.weight], rank, size)
+    cos, sin = dense_model.model.rotary(torch.arange(T), torch.float64)
+    layer, dense_layer = model.model.layers[0], dense_model.model.layers[0]
+    for part, args in (("self_attn", (cos, sin)), ("mlp", ()), (None, (cos, sin))):
+        mod, dense_mod = (getattr(layer, part), getattr(dense_layer, part)) if part else (layer, dense_layer)
+        x = _leaf(torch.randn(B, T, C))
+        dense_x = _leaf(x)
+        params = [p for _, p in sorted(mod.named_parameters())]
+        dense_params = [p for _, p in sorted(dense_mod.named_parameters())]
+        _twin_grads(mod(x, *args), dense_mod(dense_x, *args), [(x, dense_x)], params, dense_params, rank, size)
+    labels = torch.randint(0, V, (B, T))
+    labels[0, :3] = -100                                  # ignored positions are skipped by both
+    hidden = _leaf(torch.randn(B, T, C))
+    dense_hidden = _leaf(hidden)
+    _twin_grads(model.loss_fn(hidden, model.lm_head, labels), dense_model.loss_fn(dense_hidden, dense_model.lm_head, labels),
+                [(hidden, dense_hidden)], [model.lm_head.weight], [dense_model.lm_head.weight], rank, size)
+
+    # Gradient clipping counts each shard once and each replicated norm weight once.
+    for p in list(model.parameters()) + list(dense_model.parameters()):
+        p.grad = None
+    model(ids, labels=labels).backward()
+    dense_model(ids, labels=labels).backward()
+    norm = tensor_parallel.clip_grad_norm_tp(list(model.parameters()), 0.5, group)
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense_model.parameters(), 0.5)
+    torch.testing.assert_close(norm, dense_norm, **EXACT)
+    for (name, p), dense_p in zip(model.named_parameters(), dense_model.parameters()):
+        torch.testing.assert_close(p.grad, shard_like(dense_p.grad, p.grad, rank, size), **EXACT, msg=name)
+    torch.set_default_dtype(torch.float32)
+    return True
+
+
+def measure_communication():
+    """All-reduces in the tp group for one decoder layer and for a whole model (float32)."""
+    grid = process_grid.build_process_grid(tp=2)
+    torch.manual_seed(0)
+    B, T, C, L = 2, 8, 32, 3
+    config = modeling.LlamaConfig(vocab_size=64, hidden_size=C, intermediate_size=48, num_hidden_layers=L,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    model = tensor_parallel.apply_tensor_parallel(modeling.LlamaForCausalLM(config), grid)
+    x = torch.randn(B, T, C, requires_grad=True)
+    cos, sin = model.model.rotary(torch.arange(T), torch.float32)
+    meters = {}
+    with comm.CommMeter(grid.group_names()) as meters["layer_forward"]:
+        y = model.model.layers[0](x, cos, sin)
+    with comm.CommMeter(grid.group_names()) as meters["layer_backward"]:
+        y.sum().backward()
+    ids = torch.randint(0, 64, (B, T + 1))
+    with comm.CommMeter(grid.group_names()) as meters["model"]:
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    return {k: (dict(m.calls), dict(m.payload), dict(m.wire)) for k, m in meters.items()}
+
+
+def test_parallel_layers_match_dense_twins():
+    assert run_ranks(check_layers, 2, timeout=120) == [True, True]
+
+
+def test_communication_matches_megatron_formula():
+    """Per layer: 2 all-reduces forward and 2 backward of b·s·h elements; ring wire per rank
+    4·b·s·h·(t−1)/t per pass, 8·b·s·h·(t−1)/t per layer and micro-batch ([MEG] §4.2.2). The whole
+    model adds the embedding's f̄ and the head's f (b·s·h each) and the vocab-parallel loss's three
+    all-reduces of b·s elements (max, Σexp, target logit) — never the b·s·V logits."""
+    B, T, C, L, t, f32 = 2, 8, 32, 3, 2, 4
+    bsh, key = B * T * C * f32, ("all_reduce", "tp")
+    for result in run_ranks(measure_communication, 2, timeout=120):
+        for phase in ("layer_forward", "layer_backward"):
+            calls, payload, wire = result[phase]
+            assert calls == {key: 2} and payload == {key: 2 * bsh}
+            assert wire == {key: 4 * bsh * (t - 1) // t}
+        calls, payload, _ = result["model"]
+        assert calls == {key: 4 * L + 2 + 3}
+        assert payload == {key: (4 * L + 2) * bsh + 3 * B * T * f32}
+
+
+# ======================================================================================
+# Whole runs against 01
+# ======================================================================================
+TP = "04_tensor_parallel.train"
+
+
+def test_tp2_equals_single_device_also_from_hf_weights_with_tied_embeddings(tmp_path):
+    """tp 2 on the default tiny model, and tp 2 started from an HF-format directory (--init-from)
+    with tied embeddings: the full checkpoint is loaded on every rank and sliced, and the tied
+    vocab-parallel embedding/head share one (V/t, C) shard."""
+    config = base.cli.model_config(base.cli.parse_args(base.cli.core_parser("t"), common.argv("--tie-embeddings")),
+                                   base.data.ByteTokenizer().vocab_size)
+    torch.manual_seed(7)
+    hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp_path / "hf")
+    init = ("--init-from", str(tmp_path / "hf"))
+    per_rank = run_ranks(train_layouts, 2, args=([(TP, ["--tp", "2"]), (TP, ["--tp", "2", *init])],), timeout=180)
+    assert_matches_reference([r[0] for r in per_rank], reference(), tp=2)
+    assert_matches_reference([r[1] for r in per_rank], reference(*init), tp=2)
+
+
+def test_tp4_and_dp2_tp2_equal_single_device():
+    """tp 4 needs 4 kv heads (the tiny preset has 2: --num-kv-heads 4 on both sides); dp 2 × tp 2
+    with mbs 2 per replica is the global batch of 4 that 01 takes in one micro-batch."""
+    per_rank = run_ranks(train_layouts, 4, args=([(TP, ["--tp", "4", "--num-kv-heads", "4"]),
+                                                  (TP, ["--tp", "2", "--dp", "2", "--mbs", "2"])],), timeout=240)
+    assert_matches_reference([r[0] for r in per_rank], reference("--num-kv-heads", "4"), tp=4)
+    assert_matches_reference([r[1] for r in per_rank], reference(), tp=2)
+
+
+def _check(*flags, world=None):
+    args = base.cli.parse_args(tp_train.build_parser("t"), common.argv(*flags))
+    import os
+    os.environ["WORLD_SIZE"] = str(world or args.tp * args.dp)
+    try:
+        tp_train.check_layout(args, tp_train.config_of(args))
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+def test_bad_layouts_fail_before_any_process_group():
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
+        _check("--tp", "3")
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2 .*--num-kv-heads"):
+        _check("--tp", "4")
+    with pytest.raises(ValueError, match=r"tp=2 does not divide vocab_size=321"):
+        _check("--tp", "2", "--vocab-size", "321", "--num-kv-heads", "4")
+    with pytest.raises(ValueError, match=r"does not equal the world size 2"):
+        _check("--tp", "2", "--dp", "2", world=2)
+    done = subprocess.run([sys.executable, "04_tensor_parallel/train.py", "--tp", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "tp=3 does not divide num_attention_heads=4" in done.stderr
