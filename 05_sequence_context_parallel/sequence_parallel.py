@@ -1,0 +1,105 @@
+"""Sequence parallelism (Megatron): the norm regions between TP blocks sharded along the sequence.
+
+Playbook §2.4, Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer
+models"). Under plain TP every rank holds the full (B, T, C) residual stream and runs the RMSNorms on
+all of it. SP keeps it sharded along the sequence, (B, T/t, C), and swaps TP's conjugate pair:
+
+    f  (identity | all-reduce)   ->  g  = all-gather along T forward,  reduce-scatter backward
+    f̄  (all-reduce | identity)   ->  ḡ  = reduce-scatter along T forward, all-gather backward
+
+    region          hidden   sequence        collective
+    norms/residual  full     T/t sharded     -
+    enter block     full     gathered        g  (all-gather)     before q/k/v and gate/up
+    inside block    C/t, F/t full            -
+    leave block     full     T/t sharded     ḡ  (reduce-scatter)  after o_proj and down_proj
+    embedding       full     T/t sharded     ḡ  (vocab-parallel lookup, then reduce-scatter)
+    lm head         V/t      gathered        g
+
+Communication: all-reduce = reduce-scatter + all-gather, so the volume equals TP's
+(per layer forward 2 all-gathers + 2 reduce-scatters of b·s·h elements, backward the same:
+8·b·s·h·(t−1)/t on the wire per rank, layer and micro-batch). Activation memory: the norm-region activations shrink by t, so per layer
+s·b·h·(34 + 5·a·s/h)/t bytes (16-bit) instead of s·b·h·(10 + 24/t + 5·a·s/(h·t)).
+The RMSNorm weights now see only T/t of the tokens on each rank: their gradients are partial sums
+and are all-reduced over tp before the optimizer step ([PB] L1418).
+
+    torchrun --nproc_per_node 2 05_sequence_context_parallel/train.py --tp 2 --sp
+"""
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+comm = import_module("02_data_parallel.comm")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+
+
+def reduce_scatter_along(x, dim, group):
+    """(…, n, …) partial on each rank -> (…, n/t, …): this rank's slice of the sum over the group."""
+    size = dist.get_world_size(group)
+    moved = x.movedim(dim, 0).contiguous()                                 # (n, …)
+    out = torch.empty(moved.shape[0] // size, *moved.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_flat(out.view(-1), moved.view(-1), group=group)   # (n/t, …)
+    return out.movedim(0, dim).contiguous()
+
+
+class GatherFromSPRegion(torch.autograd.Function):
+    """g: forward all-gather along the sequence, (B, T/t, C) -> (B, T, C);
+    backward reduce-scatter, (B, T, C) partial dL/dx -> (B, T/t, C) summed over tp."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tensor_parallel.all_gather_along(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(grad, 1, ctx.group), None
+
+
+class ReduceScatterToSPRegion(torch.autograd.Function):
+    """ḡ: forward reduce-scatter along the sequence, (B, T, C) partial -> (B, T/t, C) summed;
+    backward all-gather, (B, T/t, C) -> (B, T, C)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_along(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tensor_parallel.all_gather_along(grad, 1, ctx.group), None
+
+
+def gather_from_sp_region(x, group):
+    return GatherFromSPRegion.apply(x, group)
+
+
+def reduce_scatter_to_sp_region(x, group):
+    return ReduceScatterToSPRegion.apply(x, group)
+
+
+SEQUENCE_PARALLEL = tensor_parallel.Regions(enter=gather_from_sp_region, exit=reduce_scatter_to_sp_region)
+
+
+def check_sequence_parallel(tp: int, local_seq_len: int):
+    if tp < 2:
+        raise ValueError("--sp shards the norm regions over the tensor-parallel ranks: it needs --tp 2 or more")
+    if local_seq_len % tp:
+        raise ValueError(f"tp={tp} does not divide the sequence each rank holds ({local_seq_len} tokens; "
+                         f"seq_len/cp): choose --seq-len a multiple of tp·cp")
+
+
+def apply_sequence_parallel(model, grid):
+    """Tensor parallelism with SP's regions; returns the norm weights whose gradients need syncing."""
+    tensor_parallel.apply_tensor_parallel(model, grid, regions=SEQUENCE_PARALLEL)
+    return [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+
+
+@torch.no_grad()
+def all_reduce_norm_gradients(norm_weights, tp_group):
+    """Sum the norm-weight gradients over tp (each rank saw T/t tokens): one flat all-reduce."""
+    grads = [p.grad for p in norm_weights if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])                         # (Σ numel,)
+    dist.all_reduce(flat, group=tp_group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))

@@ -1,0 +1,276 @@
+"""05_sequence_context_parallel: sequence parallelism, ring attention, zig-zag, against 01.
+
+Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention
+(contiguous and zig-zag, grouped-query heads) against dense causal attention, forward and the
+q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
+gradient, with SP's norm-gradient all-reduce and CP's gradient averaging applied).
+Formulas measured, not assumed: SP moves the same bytes as TP (all-reduce = reduce-scatter +
+all-gather), CP sends cp−1 K/V blocks per layer forward (cp−1 K/V + cp dK/dV backward), SP divides
+the norm-region activations by tp and changes nothing else, CP divides all activations by cp,
+zig-zag gives every rank the same number of attention tiles while contiguous does not.
+Whole runs (float32, 3 AdamW steps) equal 01 for the same global batch, with the tolerances of
+test_tensor_parallel.py (same reasons; ring attention's log-sum-exp merge rounds like SDPA's).
+"""
+import copy
+import os
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+from harness import run_ranks
+from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, reference, shard_like, train_layouts
+
+base = import_module("01_single_gpu.train")
+modeling = import_module("01_single_gpu.model")
+memory = import_module("01_single_gpu.memory")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
+context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+cp_train = import_module("05_sequence_context_parallel.train")
+
+B, T, C, L, V = 2, 16, 32, 2, 64
+
+
+def small_model(dtype):
+    torch.manual_seed(0)
+    config = modeling.LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=48, num_hidden_layers=L,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    return modeling.LlamaForCausalLM(config).to(dtype)
+
+
+def check_ring_attention(grid):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, T, 8), torch.randn(B, 2, T, 8)   # GQA: 4 q / 2 kv heads
+    dense = [_leaf(t) for t in (q, k, v)]
+    out = modeling.sdpa_attention(*dense)        # float64 throughout (eager's softmax is float32)
+    upstream = torch.randn_like(out)
+    out.backward(upstream)
+    for kind in context_parallel.LAYOUTS:
+        layout = context_parallel.CPLayout(kind, grid.cp_size)
+        pos = layout.positions(grid.cp_rank, T)
+        mine = [_leaf(t[:, :, pos]) for t in (q, k, v)]
+        ring_out = context_parallel.RingAttention(layout, grid.cp_group)(*mine)
+        torch.testing.assert_close(ring_out, out[:, :, pos], **EXACT)
+        ring_out.backward(upstream[:, :, pos])
+        for got, want in zip(mine, dense):
+            torch.testing.assert_close(got.grad, want.grad[:, :, pos], **EXACT)
+
+
+def check_models(tp_grid, cp_grid):
+    """TP+SP model and CP model against the dense model: loss and all gradients."""
+    dense = small_model(torch.float64)
+    ids = torch.randint(0, V, (B, T + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    dense(x, labels=y).backward()
+    sp = copy.deepcopy(dense)
+    norms = sequence_parallel.apply_sequence_parallel(sp, tp_grid)
+    loss = sp(x, labels=y)
+    loss.backward()
+    sequence_parallel.all_reduce_norm_gradients(norms, tp_grid.tp_group)
+    torch.testing.assert_close(loss, dense(x, labels=y), **EXACT)
+    for (name, p), want in zip(sp.named_parameters(), dense.parameters()):
+        torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size), **EXACT, msg=name)
+    for kind in context_parallel.LAYOUTS:
+        layout = context_parallel.CPLayout(kind, cp_grid.cp_size)
+        cp = context_parallel.apply_context_parallel(copy.deepcopy(dense), layout, cp_grid.cp_group)
+        cp.zero_grad()
+        pos = layout.positions(cp_grid.cp_rank, T)
+        cp(x[:, pos], labels=y[:, pos], position_ids=pos).backward()
+        for (name, p), want in zip(cp.named_parameters(), dense.parameters()):
+            torch.distributed.all_reduce(p.grad, group=cp_grid.cp_group)   # mean over the cp ranks' tokens
+            torch.testing.assert_close(p.grad / cp_grid.cp_size, want.grad, **EXACT, msg=name)
+
+
+def saved_bytes(model, x, y, pos=None, only=None):
+    """Bytes autograd saves for one forward: of the whole model (y given) or of its decoder (y None),
+    or only inside the `only` modules (their forwards stay wrapped: measure those last)."""
+    params = list(model.parameters())
+    if only is None:
+        with memory.saved_activation_bytes(exclude=params) as meter:
+            model(x, labels=y, position_ids=pos) if y is not None else model.model(x, pos)
+        return meter.bytes
+    total = 0
+
+    def measured(inner):
+        def forward(*args):
+            nonlocal total
+            with memory.saved_activation_bytes(exclude=params) as meter:
+                out = inner(*args)
+            total += meter.bytes
+            return out
+        return forward
+    for module in only:
+        module.forward = measured(module.forward)
+    model(x, labels=y, position_ids=pos)
+    return total
+
+
+def measure(tp_grid, cp_grid, solo_grid):
+    """Communication of one TP / TP+SP decoder layer and of ring attention; activation bytes."""
+    out, ids = {}, torch.randint(0, V, (B, T + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    for name, regions in (("tp", tensor_parallel.TENSOR_PARALLEL), ("sp", sequence_parallel.SEQUENCE_PARALLEL)):
+        model = tensor_parallel.apply_tensor_parallel(small_model(torch.float32), tp_grid, regions)
+        h = torch.randn(B, T // (2 if name == "sp" else 1), C, requires_grad=True)
+        cos, sin = model.model.rotary(torch.arange(T), torch.float32)
+        with comm.CommMeter(tp_grid.group_names()) as forward:
+            z = model.model.layers[0](h, cos, sin)
+        with comm.CommMeter(tp_grid.group_names()) as backward:
+            z.sum().backward()
+        out[name, "comm"] = [(dict(m.calls), dict(m.payload), m.total_wire()) for m in (forward, backward)]
+        norm_modules = [m for m in model.modules() if isinstance(m, modeling.RMSNorm)]
+        out[name, "model_bytes"] = saved_bytes(model, x, y)
+        out[name, "norm_bytes"] = saved_bytes(model, x, y, only=norm_modules)
+    for grid, cp in ((solo_grid, 1), (cp_grid, cp_grid.cp_size)):
+        for kind in context_parallel.LAYOUTS:
+            layout = context_parallel.CPLayout(kind, cp)
+            model = context_parallel.apply_context_parallel(small_model(torch.float32), layout, grid.cp_group)
+            pos = layout.positions(grid.cp_rank, T)
+            out[kind, cp, "bytes"] = saved_bytes(model, x[:, pos], None, pos)
+            with comm.CommMeter(grid.group_names()) as forward:
+                loss = model(x[:, pos], labels=y[:, pos], position_ids=pos)
+            with comm.CommMeter(grid.group_names()) as backward:
+                loss.backward()
+            out[kind, cp, "comm"] = [(dict(m.calls), dict(m.payload)) for m in (forward, backward)]
+    return out
+
+
+def layer_level():
+    tp_grid = process_grid.build_process_grid(tp=2)
+    cp_grid = process_grid.build_process_grid(cp=2)
+    solo_grid = process_grid.build_process_grid(dp=2)         # its cp group is this rank alone
+    torch.set_default_dtype(torch.float64)
+    check_ring_attention(cp_grid)
+    check_models(tp_grid, cp_grid)
+    torch.set_default_dtype(torch.float32)
+    return measure(tp_grid, cp_grid, solo_grid)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """One 2-rank spawn: the layer-level twins (asserted on the ranks) and the measurements."""
+    return run_ranks(layer_level, 2, timeout=180)
+
+
+def test_ring_attention_and_sequence_parallel_match_dense_twins(measured):
+    assert len(measured) == 2   # the twins are asserted inside the ranks; a mismatch fails the spawn
+
+
+def test_sequence_parallel_moves_the_same_bytes_as_tensor_parallel(measured):
+    """Per layer and pass: TP 2 all-reduces, SP 2 all-gathers + 2 reduce-scatters of b·s·h elements;
+    the ring wire bytes are equal (all-reduce = reduce-scatter + all-gather)."""
+    bsh, t = B * T * C * 4, 2
+    for result in measured:
+        for (tp_calls, tp_payload, tp_wire), (sp_calls, sp_payload, sp_wire) in zip(result["tp", "comm"], result["sp", "comm"]):
+            assert tp_calls == {("all_reduce", "tp"): 2} and tp_payload == {("all_reduce", "tp"): 2 * bsh}
+            assert sp_calls == {("all_gather", "tp"): 2, ("reduce_scatter", "tp"): 2}
+            assert sp_payload == {("all_gather", "tp"): 2 * bsh, ("reduce_scatter", "tp"): 2 * bsh}
+            assert sp_wire == tp_wire == 4 * bsh * (t - 1) // t
+
+
+def test_sequence_parallel_divides_norm_region_activations_by_tp(measured):
+    """The RMSNorms (their input, 1/rms and normalised output) hold T/tp tokens under SP: exactly 1/tp
+    of TP's bytes; everything else saved for backward is unchanged, so the whole-model difference is
+    exactly (1 − 1/tp) of TP's norm-region bytes (the playbook's 34/t vs 10 + 24/t: the norm part)."""
+    for result in measured:
+        assert result["tp", "norm_bytes"] == 2 * result["sp", "norm_bytes"] > 0
+        assert result["tp", "model_bytes"] - result["sp", "model_bytes"] == result["tp", "norm_bytes"] // 2
+
+
+def test_context_parallel_divides_activations_and_sends_cp_minus_1_blocks(measured):
+    """Every activation is per token except attention's, and ring attention saves only its own
+    q/k/v/out/lse: the bytes the decoder saves per rank with cp=2 are exactly half of cp=1's (same
+    code, one rank). (The loss would add one float32 scalar, nll_loss's total weight, on every rank.)
+    Forward: cp−1 K/V blocks (2·b·(s/cp)·h_kv floats each) per layer; backward: cp−1 K/V + cp dK/dV."""
+    block = 2 * B * (T // 2) * 2 * 8 * 4          # (2, B, nkv, T/cp, hd) float32
+    for result in measured:
+        for kind in context_parallel.LAYOUTS:
+            assert result[kind, 1, "bytes"] == 2 * result[kind, 2, "bytes"]
+            (fwd_calls, fwd_payload), (bwd_calls, bwd_payload) = result[kind, 2, "comm"]
+            assert fwd_calls == {("isend", "cp"): L * 1, ("irecv", "cp"): L * 1}
+            assert fwd_payload[("isend", "cp")] == L * 1 * block
+            assert bwd_calls == {("isend", "cp"): L * (1 + 2), ("irecv", "cp"): L * (1 + 2)}
+            assert bwd_payload[("isend", "cp")] == L * 3 * block
+            assert result[kind, 1, "comm"] == [({}, {}), ({}, {})]    # one rank: no ring at all
+
+
+def tile_counts():
+    grid = process_grid.build_process_grid(cp=4)
+    counts = {}
+    for kind in context_parallel.LAYOUTS:
+        layout = context_parallel.CPLayout(kind, 4)
+        attn = context_parallel.RingAttention(layout, grid.cp_group)
+        q = torch.randn(1, 2, 32 // 4, 4)
+        attn(q, q[:, :1], q[:, :1])
+        counts[kind] = attn.scores_computed
+    return counts
+
+
+def test_zigzag_balances_attention_work():
+    """Causal attention over 8 chunks of 4 tokens (cp 4): a rank computes the query·key scores of
+    every tile on or below the diagonal. Contiguous: rank r has r+1 tiles of 8×8 (unbalanced, 64·(r+1));
+    zig-zag: every rank 2cp+1 = 9 tiles of 4×4 (144 each). In total T²/2 below the diagonal plus the
+    masked half of the diagonal tiles, T·c/2 for chunks of c tokens: 512 + 128 and 512 + 64."""
+    counts = run_ranks(tile_counts, 4, timeout=120)
+    assert [c["contiguous"] for c in counts] == [64 * (r + 1) for r in range(4)]
+    assert [c["zigzag"] for c in counts] == [16 * 9] * 4
+    assert sum(c["contiguous"] for c in counts) == 32 * 32 // 2 + 32 * 8 // 2
+    assert sum(c["zigzag"] for c in counts) == 32 * 32 // 2 + 32 * 4 // 2
+
+
+# ======================================================================================
+# Whole runs against 01
+# ======================================================================================
+SCP = "05_sequence_context_parallel.train"
+
+
+def test_sp_and_cp2_runs_equal_single_device():
+    per_rank = run_ranks(train_layouts, 2, args=([(SCP, ["--tp", "2", "--sp"]),
+                                                  (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
+                                                  (SCP, ["--cp", "2", "--cp-layout", "zigzag"])],), timeout=240)
+    ref = reference()
+    assert_matches_reference([r[0] for r in per_rank], ref, tp=2)
+    assert_matches_reference([r[1] for r in per_rank], ref, tp=1)
+    assert_matches_reference([r[2] for r in per_rank], ref, tp=1)
+
+
+def test_four_rank_layouts_equal_single_device():
+    """cp 4 both layouts (zig-zag: 8 chunks of 4 tokens), tp 2 + sp × cp 2 zig-zag, tp 2 × cp 2,
+    dp 2 × cp 2 (mbs 2 per replica: the same global batch of 4)."""
+    layouts = [(SCP, ["--cp", "4", "--cp-layout", "contiguous"]), (SCP, ["--cp", "4", "--cp-layout", "zigzag"]),
+               (SCP, ["--tp", "2", "--sp", "--cp", "2", "--cp-layout", "zigzag"]),
+               (SCP, ["--tp", "2", "--cp", "2", "--cp-layout", "contiguous"]),
+               (SCP, ["--dp", "2", "--cp", "2", "--mbs", "2"])]
+    per_rank = run_ranks(train_layouts, 4, args=(layouts,), timeout=300)
+    ref = reference()
+    for i, tp in enumerate([1, 1, 2, 2, 1]):
+        assert_matches_reference([r[i] for r in per_rank], ref, tp=tp)
+
+
+def _check(*flags, world):
+    args = base.cli.parse_args(cp_train.build_parser("t"), common.argv(*flags))
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        cp_train.check_layout(args, cp_train.tp_train.config_of(args))
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+def test_bad_layouts_fail_before_any_process_group():
+    with pytest.raises(ValueError, match=r"seq_len=32 is not divisible by 6 .*cp=3"):
+        _check("--cp", "3", world=3)
+    with pytest.raises(ValueError, match=r"seq_len=36 is not divisible by 8 \(2·cp chunks .*zigzag"):
+        _check("--cp", "4", "--seq-len", "36", world=4)
+    with pytest.raises(ValueError, match=r"seq_len=30 is not divisible by 4 \(cp chunks"):
+        _check("--cp", "4", "--cp-layout", "contiguous", "--seq-len", "30", world=4)
+    with pytest.raises(ValueError, match=r"--sp .* needs --tp 2 or more"):
+        _check("--sp", world=1)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the sequence each rank holds \(6 tokens"):
+        _check("--sp", "--tp", "4", "--num-kv-heads", "4", "--cp", "2", "--cp-layout", "contiguous",
+               "--seq-len", "12", world=8)
+    with pytest.raises(ValueError, match=r"does not equal the world size 2"):
+        _check("--tp", "2", "--cp", "2", world=2)
