@@ -45,10 +45,10 @@ def build_parser(description):
 
 def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
-    tp_train.check_layout(args, config, cp=args.cp)
     context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
+    tp_train.check_layout(args, config, cp=args.cp)   # the model's divisibility, then the world size
 
 
 def context_parallel_forward_backward(layout, cp_rank):
