@@ -138,9 +138,11 @@ class CommMeter:
     def total_wire(self, op=None, group=None) -> int:
         return sum(v for (o, g), v in self.wire.items() if op in (None, o) and group in (None, g))
 
-    def table(self, title="communication per rank") -> str:
+    def table(self, title="communication per rank", steps: int = 1) -> str:
+        """One row per (operation, group); divided by `steps` for a per-step average."""
         rows = [f"{title}:", f"  {'operation':<16}{'group':<10}{'calls':>7}{'payload MB':>12}{'wire MB':>10}"]
         for key in sorted(self.calls):
-            rows.append(f"  {key[0]:<16}{key[1]:<10}{self.calls[key]:>7}{self.payload[key] / 2**20:>12.3f}"
-                        f"{self.wire[key] / 2**20:>10.3f}")
+            calls = self.calls[key] // steps if self.calls[key] % steps == 0 else round(self.calls[key] / steps, 2)
+            rows.append(f"  {key[0]:<16}{key[1]:<10}{calls:>7}{self.payload[key] / steps / 2**20:>12.3f}"
+                        f"{self.wire[key] / steps / 2**20:>10.3f}")
         return "\n".join(rows)
