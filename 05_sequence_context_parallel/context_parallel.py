@@ -201,7 +201,12 @@ class RingAttention:
         self.scores_computed = 0
 
     def __call__(self, q, k, v):
-        return RingAttentionFunction.apply(q, k, v, self)
+        # The softmax statistics are merged across blocks: keep them in float32 (or float64) even under
+        # bf16 autocast; the casts are ordinary autograd ops, so gradients come back in q's dtype.
+        compute = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            out = RingAttentionFunction.apply(q.to(compute), k.to(compute), v.to(compute), self)
+        return out.to(q.dtype)
 
 
 def apply_context_parallel(model, layout: CPLayout, cp_group):
