@@ -1,28 +1,29 @@
 """Data parallelism: every rank holds the whole model and averages its gradients with the others.
 
-Playbook §2.2 (data parallelism: naive, overlap, bucketing), PyTorch DDP (Li et al., 2020).
+Playbook §2.2 (data parallelism: naive, overlap, bucketing, no_sync), PyTorch DDP (Li et al., 2020).
 Each of N ranks runs forward/backward on its own 1/N of the global batch; before the optimizer
-step the gradients are averaged, so every rank takes the same step as one device would on the
-whole batch. Three ways to do the averaging, each a step further toward DDP:
+step the gradients are averaged, so every rank takes the step one device would take on the whole
+batch. Three ways to average, each one step closer to DDP:
 
-    naive    after backward, all-reduce every gradient, one call each         (average_gradients)
+    naive    after backward, one blocking all-reduce per gradient            average_gradients
     overlap  a hook per parameter launches an async all-reduce as soon as its
-             gradient is accumulated, so communication runs while backward goes on   (OverlapDP)
-    bucket   gradients are packed into flat buckets of ~bucket_mb (reverse parameter order,
-             the order backward produces them); a full bucket is all-reduced at once   (BucketDP)
+             gradient is accumulated: communication runs while backward
+             continues on earlier layers                                    OverlapDataParallel
+    bucket   gradients are copied into flat buckets of ~bucket_mb, filled in
+             reverse parameter order (the order backward produces them); a
+             full bucket is all-reduced at once: fewer, larger messages     BucketDataParallel
 
-Communication per rank per step (ring all-reduce, see comm.py), Ψ = gradient bytes:
-    wire bytes = 2(N−1)/N · Ψ         for every mode: overlapping hides it, it does not shrink it.
-With gradient accumulation only the last micro-batch synchronises (`no_sync`, like DDP's
-`require_backward_grad_sync`): summing local gradients first and averaging once is the same sum.
+Communication per rank per step (ring all-reduce, comm.py), Ψ = bytes of all gradients:
+    wire bytes = 2(N−1)/N · Ψ        in every mode: overlap hides it, bucketing batches it.
+With gradient accumulation only the last micro-batch synchronises (`no_sync`, DDP's
+`require_backward_grad_sync`): the local gradients are summed first and averaged once.
 
     torchrun --nproc_per_node 4 02_data_parallel/train.py --dp 4 --dp-mode bucket --bucket-mb 0.05
 
-New compared with 01: the gradient synchronisation; the loop, model and optimizer are unchanged.
+New compared with 01: the gradient synchronisation; model, loop and optimizer are unchanged.
 """
 import contextlib
 
-import torch
 import torch.distributed as dist
 
 
@@ -39,3 +40,149 @@ def average_gradients(params, group):
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)   # (*p.shape) summed over ranks
             p.grad.div_(size)
+
+
+class DataParallel:
+    """Naive data parallelism, and the micro-batch loop every mode shares.
+
+    `forward_backward` and `finish_gradients` are the two `TrainPlan` entries of 01's loop.
+    `events` records ("grad", i) when parameter i's gradient is complete and ("launch", k) when
+    collective k is issued, so a test can see whether communication started before backward ended.
+    """
+
+    def __init__(self, model, group):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.group, self.size = group, dist.get_world_size(group)
+        self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
+        self.events = []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate local gradients without communicating (every micro-batch but the last)."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def forward_backward(self, model, micro_batches):
+        """01's gradient accumulation, synchronising only during the last backward."""
+        self.events.clear()
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):                     # x, y: (mbs, T)
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss = model(x, labels=y) / len(micro_batches)
+                loss.backward()                                         # hooks fire in here
+            total += loss.detach()
+        return total
+
+    def finish_gradients(self):
+        average_gradients(self.params, self.group)
+
+
+# ======================================================================================
+# overlap: an async all-reduce per parameter, launched from its gradient hook
+# ======================================================================================
+class OverlapDataParallel(DataParallel):
+    def __init__(self, model, group):
+        super().__init__(model, group)
+        self.pending = []                           # (work handle, param) in launch order
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(p, i))
+
+    def _grad_ready(self, p, i):
+        """Runs inside backward once p.grad holds this backward's full contribution."""
+        if not self.require_backward_grad_sync:
+            return
+        self.events += [("grad", i), ("launch", len(self.pending))]
+        work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
+        self.pending.append((work, p))
+
+    def finish_gradients(self):
+        for work, p in self.pending:                # the last launches may still be in flight
+            work.wait()
+            p.grad.div_(self.size)
+        self.pending.clear()
+
+
+# ======================================================================================
+# bucket: flat buffers of ~bucket_mb, all-reduced as soon as every gradient in them is ready
+# ======================================================================================
+class Bucket:
+    """A flat gradient buffer for a few parameters; their .grad become views into it."""
+
+    def __init__(self, params, indices):
+        self.params, self.indices = params, indices
+        self.flat = params[0].new_zeros(sum(p.numel() for p in params))   # (Σ numel,)
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.ready, self.work = 0, None
+
+    def view_of(self, j):
+        return self.flat[self.offsets[j]:self.offsets[j + 1]].view_as(self.params[j])
+
+
+def make_buckets(params, bucket_bytes):
+    """Consecutive parameters in reverse order, cut when a bucket reaches bucket_bytes."""
+    buckets, current = [], []
+    for i in reversed(range(len(params))):
+        current.append(i)
+        if sum(params[j].numel() * params[j].element_size() for j in current) >= bucket_bytes:
+            buckets.append(Bucket([params[j] for j in current], current))
+            current = []
+    if current:
+        buckets.append(Bucket([params[j] for j in current], current))
+    return buckets
+
+
+class BucketDataParallel(DataParallel):
+    def __init__(self, model, group, bucket_mb: float):
+        super().__init__(model, group)
+        self.buckets = make_buckets(self.params, bucket_mb * 2**20)
+        self.launched = 0
+        for bucket in self.buckets:
+            for j, (p, i) in enumerate(zip(bucket.params, bucket.indices)):
+                p.register_post_accumulate_grad_hook(lambda p, b=bucket, j=j, i=i: self._grad_ready(b, j, i))
+
+    def _grad_ready(self, bucket, j, i):
+        if not self.require_backward_grad_sync:
+            return
+        p = bucket.params[j]
+        bucket.view_of(j).copy_(p.grad)
+        p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket
+        bucket.ready += 1
+        self.events.append(("grad", i))
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket):
+        self.events.append(("launch", self.launched))
+        self.launched += 1
+        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def finish_gradients(self):
+        for bucket in self.buckets:
+            if bucket.work is None:                 # a parameter that got no gradient: send zeros
+                for j, p in enumerate(bucket.params):
+                    if p.grad is None:
+                        bucket.view_of(j).zero_()
+                        p.grad = bucket.view_of(j)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.flat.div_(self.size)             # (Σ numel,): every .grad in it is now the mean
+            bucket.ready, bucket.work = 0, None
+        self.launched = 0
+
+
+def wrap(model, group, mode: str, bucket_mb: float = 25.0) -> DataParallel:
+    """The DataParallel object for --dp-mode naive | overlap | bucket."""
+    if mode == "naive":
+        return DataParallel(model, group)
+    if mode == "overlap":
+        return OverlapDataParallel(model, group)
+    if mode == "bucket":
+        return BucketDataParallel(model, group, bucket_mb)
+    raise ValueError(f"--dp-mode {mode!r}: choose naive, overlap or bucket")

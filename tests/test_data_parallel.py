@@ -1,9 +1,20 @@
-"""02_data_parallel: the process grid, and data parallelism against the single-device run."""
+"""02_data_parallel: the process grid, and data parallelism against the single-device run.
+
+Compared: `--dp 4 --mbs 1 --grad-acc 2` in each --dp-mode against 01's `--mbs 4 --grad-acc 2` (the
+same global batch), per-step losses and final parameters; the bytes the meter saw against the
+docstring's 2(N−1)/N·Ψ; and the order of hook events, which shows the overlap is real.
+"""
 from importlib import import_module
 
 import pytest
+import torch
+
+import common
+from harness import run_ranks
 
 process_grid = import_module("02_data_parallel.process_grid")
+MODES = ("naive", "overlap", "bucket")
+BUCKET_MB = 0.002   # ~2 KB: the TINY model's 38 gradients fall into many buckets
 
 
 def test_grid_layout_llama3_16_ranks():
@@ -22,8 +33,18 @@ def test_grid_layout_llama3_16_ranks():
         process_grid.grid_layout(4, dp=4, tp=0)
 
 
+def test_bad_layout_fails_before_any_process_group(monkeypatch, capsys):
+    """--dp 3 on 4 ranks exits with the fix named, before init_distributed is reached."""
+    import torch.distributed as dist
+    train02 = import_module("02_data_parallel.train")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit):
+        train02.parse_and_check(common.argv("--dp", 3), "test")
+    assert "launch with --nproc_per_node 3" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def _average_gradients_rank():
-    import torch
     import torch.distributed as dist
     dp = import_module("02_data_parallel.data_parallel")
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
@@ -34,6 +55,57 @@ def _average_gradients_rank():
 
 def test_average_gradients_two_ranks():
     """Each rank's gradient is rank+1: the average is 1.5 everywhere; a None gradient stays None."""
-    from harness import run_ranks
     for grad, none in run_ranks(_average_gradients_rank, 2):
         assert grad == [1.5, 1.5, 1.5] and none is None
+
+
+def _all_modes_rank(steps, grad_acc):
+    """Every --dp-mode in turn in the same 4 processes (one spawn for all three)."""
+    train02 = import_module("02_data_parallel.train")
+    out = {}
+    for mode in MODES:
+        args = train02.parse_and_check(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
+                                                   steps=steps, mbs=1, grad_acc=grad_acc), "test")
+        records, model, ddp, meter = train02.run(args)
+        out[mode] = dict(losses=[r["loss"] for r in records],
+                         state={k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()},  # numpy:
+                         # pickled by value (many tensors through the result queue exhaust shared-memory handles)
+                         wire=dict(meter.wire), calls=dict(meter.calls), events=list(ddp.events),
+                         grad_bytes=sum(p.numel() * p.element_size() for p in ddp.params),
+                         n_grads=len(ddp.params), n_buckets=len(getattr(ddp, "buckets", ddp.params)))
+    return out
+
+
+def test_every_mode_matches_single_device_and_the_wire_formula():
+    """dp 4 × mbs 1 × grad_acc 2 == 01 with mbs 4 × grad_acc 2, for naive, overlap and bucket.
+
+    Losses to 1e-5 and parameters to 1e-5 after 2 steps (fp32): the ranks sum four partial
+    gradients in a different order than one device does, which changes the last bits (~1e-7
+    relative); AdamW's m/√v can amplify that for gradients near zero, hence 1e-5, far below any
+    real error (a missing 1/N or a skipped micro-batch changes the loss in the 3rd digit).
+
+    Bytes: per rank per step the gradients cross the wire once as an all-reduce,
+    2(N−1)/N·Ψ, plus the logged loss (one fp32 scalar); counted exactly. Calls: one per gradient
+    (naive, overlap) or per bucket, and only once per step although grad_acc = 2 (no_sync).
+    Overlap: a collective was launched before the last gradient of backward was produced.
+    """
+    steps, grad_acc, n = 2, 2, 4
+    ref_losses, ref_state = common.single_device_run(steps=steps, mbs=n, grad_acc=grad_acc)
+    results = run_ranks(_all_modes_rank, n, args=(steps, grad_acc))
+    for mode in MODES:
+        for rank, out in enumerate(results):
+            got = out[mode]
+            torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"{mode} rank {rank}")
+            for name, ref in ref_state.items():
+                torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
+            psi, loss_bytes = got["grad_bytes"], 4
+            assert got["wire"] == {("all_reduce", "dp"): steps * (2 * (n - 1) * psi // n + 2 * (n - 1) * loss_bytes // n)}
+            per_step = got["n_buckets"] if mode == "bucket" else got["n_grads"]
+            assert got["calls"] == {("all_reduce", "dp"): steps * (per_step + 1)}
+            if mode != "naive":
+                events = got["events"]
+                first_launch = events.index(("launch", 0))
+                last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
+                assert first_launch < last_grad, f"{mode}: no communication before backward ended"
+                assert sum(e[0] == "grad" for e in events) == got["n_grads"]   # hooks only in the last micro-batch
+    assert results[0]["bucket"]["n_buckets"] > 4
