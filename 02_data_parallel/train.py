@@ -42,14 +42,19 @@ def build_parser(description):
     return p
 
 
-def parse_and_check(argv, description, build_parser=build_parser):
+def check_layout(args):
+    """Every layout error, raised before `init_distributed` creates a group."""
+    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
+    if args.bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+
+
+def parse_and_check(argv, description, build_parser=build_parser, check_layout=check_layout):
     """args, or exit with the layout error (status 2) before any process group exists."""
     parser = build_parser(description)
     args = cli.parse_args(parser, argv)
     try:
-        process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
-        if getattr(args, "bucket_mb", 1) <= 0:
-            raise ValueError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+        check_layout(args)
     except ValueError as error:
         parser.error(str(error))
     return args

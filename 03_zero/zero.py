@@ -1,0 +1,250 @@
+"""ZeRO stages 1, 2 and 3: data parallelism that shards the model states instead of replicating them.
+
+Playbook §2.2 "ZeRO", Rajbhandari et al., ZeRO (§5 memory, §7 communication). The parameters are
+grouped into units, one per module (the embedding, each decoder layer, the final norm, the head);
+each unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r
+owns the slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the
+shards, so its states are 1/N of DP's. What else is sharded:
+
+    stage 1  optimizer states      grads reduce-scattered after the last micro-batch; after the
+                                   step every rank all-gathers the updated shards
+    stage 2  + gradients           each unit's grads are reduce-scattered during backward as soon
+                                   as they are complete, and the full-size ones are freed
+    stage 3  + parameters          a unit's parameters exist only while it runs: all-gathered
+                                   before its forward and again before its backward, freed right
+                                   after; the next unit's all-gather is issued one unit ahead
+
+Memory per rank (bytes; Ψ = padded elements of all units, e = bytes per element, AdamW K = 2
+states; fp32 training keeps no separate master copy, so the paper's 2+2+12 becomes 4+4+8):
+    DP       eΨ + eΨ + 2eΨ            stage 2   eΨ + eΨ/N + 2eΨ/N
+    stage 1  eΨ + eΨ + 2eΨ/N          stage 3   eΨ/N + eΨ/N + 2eΨ/N
+Wire bytes per rank per step (comm.py's ring convention, A micro-batches, bytes B = eΨ):
+    stage 1  reduce-scatter + all-gather          2·(N−1)/N·B          (= DP's all-reduce)
+    stage 2  A reduce-scatters + all-gather       (A+1)·(N−1)/N·B
+    stage 3  A·(2 all-gathers + reduce-scatter)   3A·(N−1)/N·B         (the paper's 1.5×)
+plus two scalar all-reduces (the global gradient norm and the logged loss). Stages 2 and 3
+communicate every micro-batch, since a rank keeps no full gradient to accumulate into.
+
+    torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from importlib import import_module
+
+base = import_module("01_single_gpu.train")
+memory = import_module("01_single_gpu.memory")
+comm = import_module("02_data_parallel.comm")
+
+
+def llama_units(model):
+    """The modules whose parameters form one unit each, in forward order."""
+    return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+class FlatUnit:
+    """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,)."""
+
+    def __init__(self, index, module, params, rank, size, stage):
+        self.index, self.module, self.params = index, module, params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.padded = math.ceil(self.offsets[-1] / size) * size               # U
+        self.lo, self.hi = rank * self.padded // size, (rank + 1) * self.padded // size
+        self.full = params[0].new_zeros(self.padded)                          # (U,)
+        with torch.no_grad():
+            for p, view in zip(params, self.views(self.full)):
+                view.copy_(p)
+                p.data = view                   # the module now computes with the flat buffer
+        if stage < 3:   # the shard is a view of the full buffer: the step updates the model in place
+            self.shard = torch.nn.Parameter(self.full[self.lo:self.hi])       # (U/N,)
+        else:           # the shard is all that persists; `full` is re-filled on demand
+            self.shard = torch.nn.Parameter(self.full[self.lo:self.hi].clone())
+            self.free()
+        self.grad_full = params[0].new_zeros(self.padded) if stage == 1 else None   # (U,)
+        self.shard_grad = params[0].new_zeros(self.hi - self.lo) if stage > 1 else None  # (U/N,)
+        self.ready, self.gather_work, self.gathered = 0, None, stage < 3
+
+    def views(self, flat):
+        return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)       # the parameters keep their shapes, not their bytes
+        self.gathered = False
+
+
+class ZeRO:
+    """The TrainPlan pieces (forward_backward, finish_gradients, clip_gradients) of one stage."""
+
+    def __init__(self, modules, group, stage: int):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
+        self.group, self.stage = group, stage
+        self.size, rank = dist.get_world_size(group), dist.get_rank(group)
+        seen, self.units = set(), []
+        for module in modules:
+            params = [p for p in module.parameters() if p.requires_grad and p not in seen]
+            if stage == 3 and len(params) < len(list(module.parameters())):
+                raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
+                                 "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
+            seen.update(params)
+            if params:
+                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage))
+        self.in_flight, self.events, self.callback_queued = [], [], False
+        for unit in self.units:
+            for p in unit.params:
+                if stage > 1:
+                    p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+            if stage == 3:
+                unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before(u, +1))
+                unit.module.register_forward_hook(lambda m, args, out, u=unit: u.free())
+                unit.module.register_full_backward_pre_hook(lambda m, grad, u=unit: self._before(u, -1))
+
+    @property
+    def shards(self):
+        return [unit.shard for unit in self.units]
+
+    @property
+    def padded_numel(self):          # Ψ: the elements of all units, padding included
+        return sum(unit.padded for unit in self.units)
+
+    @property
+    def padded_bytes(self):
+        return sum(unit.padded * unit.shard.element_size() for unit in self.units)
+
+    def make_optimizer(self, make):
+        """make(params) -> 01's AdamW, over the shards; stages 1-2 all-gather after every step."""
+        optimizer = make(self.shards)
+        if self.stage < 3:
+            optimizer.register_step_post_hook(lambda *_: self._gather_all_shards())
+        return optimizer
+
+    # ==================================================================================
+    # the step: forward/backward, gradient reduction, clipping
+    # ==================================================================================
+    def forward_backward(self, model, micro_batches):
+        """01's `forward_backward`, with this rank's gradient buffers zeroed first."""
+        self.events.clear()
+        for unit in self.units:
+            if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
+                unit.grad_full.zero_()
+                for p, view in zip(unit.params, unit.views(unit.grad_full)):
+                    p.grad = view
+            else:
+                unit.shard_grad.zero_()
+        return base.forward_backward(model, micro_batches)
+
+    def finish_gradients(self):
+        """shard.grad <- this rank's slice of the mean over ranks of the gradients."""
+        if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
+            works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
+                                              async_op=True) for u in self.units]           # (U,) -> (U/N,)
+            for work in works:
+                work.wait()
+        for unit in self.units:
+            unit.shard.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad
+            unit.shard.grad.div_(self.size)
+
+    def clip_gradients(self, params, max_norm):
+        """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
+        squares = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()   # () this rank's part
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        norm = squares.sqrt()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for unit in self.units:
+                unit.shard.grad.mul_(coef)
+        return norm
+
+    # ==================================================================================
+    # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
+    # ==================================================================================
+    def _grad_ready(self, unit):
+        if not self.callback_queued:   # once per backward: flush what is left when it ends (as DDP does)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.callback_queued = True
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit):
+        flat = unit.params[0].new_zeros(unit.padded)                          # (U,)
+        for p, view in zip(unit.params, unit.views(flat)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = None                     # the full-size gradient is freed right away
+        if self.stage == 3:
+            unit.free()                       # backward through this unit is over
+        self._retire(keep=0)                  # at most one reduce-scatter in flight
+        self.events.append(("reduce_scatter", unit.index))
+        work = comm.reduce_scatter_flat(flat[unit.lo:unit.hi], flat, group=self.group, async_op=True)
+        self.in_flight.append((work, unit, flat))                             # (U,) -> (U/N,)
+
+    def _retire(self, keep):
+        while len(self.in_flight) > keep:
+            work, unit, flat = self.in_flight.pop(0)
+            work.wait()
+            unit.shard_grad += flat[unit.lo:unit.hi]                          # (U/N,) summed over ranks
+
+    def _end_of_backward(self):
+        for unit in self.units:
+            if 0 < unit.ready < len(unit.params) or (unit.ready == 0 and self.stage > 1):
+                self._reduce_scatter(unit)    # parameters this backward did not reach: zeros
+            unit.ready = 0
+        self._retire(keep=0)
+        self.callback_queued = False
+
+    # ==================================================================================
+    # all-gathers: after the step (stages 1-2), around each unit's use (stage 3)
+    # ==================================================================================
+    def _gather(self, unit):
+        """Issue the async all-gather of unit's parameters (stage 3), unless present or in flight."""
+        if unit.gathered or unit.gather_work is not None:
+            return
+        unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
+        unit.gather_work = comm.all_gather_flat(unit.full, unit.shard.detach(), group=self.group,
+                                                async_op=True)                 # (U/N,) -> (U,)
+        self.events.append(("gather_issued", unit.index))
+
+    def _before(self, unit, direction):
+        """Forward (+1) / backward (−1) pre-hook: have this unit, prefetch the next one."""
+        self._gather(unit)
+        unit.gather_work.wait() if unit.gather_work is not None else None
+        unit.gather_work, unit.gathered = None, True
+        neighbour = unit.index + direction
+        if 0 <= neighbour < len(self.units):
+            self._gather(self.units[neighbour])
+        self.events.append(("forward" if direction > 0 else "backward", unit.index))
+
+    def _gather_all_shards(self):
+        works = [comm.all_gather_flat(u.full, u.shard.detach(), group=self.group, async_op=True)
+                 for u in self.units]         # in place: the shard is slice r of full
+        for work in works:
+            work.wait()
+
+    def full_state_dict(self, model):
+        """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
+        for unit in self.units:
+            self._gather(unit)
+            unit.gather_work.wait() if unit.gather_work is not None else None
+            unit.gather_work, unit.gathered = None, True
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for unit in self.units:
+            if self.stage == 3:
+                unit.free()
+        return state
+
+    def model_state_bytes(self, model, optimizer):
+        """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages)."""
+        params = storage_bytes([*model.parameters(), *self.shards])
+        grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.shard.grad for u in self.units),
+                               *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
+        return params, grads, memory.optimizer_state_bytes(optimizer)
