@@ -28,6 +28,7 @@ communicate every micro-batch, since a rank keeps no full gradient to accumulate
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 """
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,10 @@ from importlib import import_module
 base = import_module("01_single_gpu.train")
 memory = import_module("01_single_gpu.memory")
 comm = import_module("02_data_parallel.comm")
+# The embedding's input (token ids) needs no gradient; its backward pre-hook firing on the output
+# gradient alone is exactly what stage 3 wants, so torch's warning about it is silenced.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
+                                          "to module outputs")
 
 
 def llama_units(model):

@@ -1,0 +1,117 @@
+"""03_zero: ZeRO-1/2/3 against the single-device run, and their memory and communication formulas.
+
+Compared: `--dp N --mbs 1 --zero-stage s` against 01's `--mbs N` (the same global batch): losses and
+gradient norms per step, and the final parameters (stage 3 gathers its shards for that). The model
+is the tiny Llama with hidden size 42 and intermediate size 63, so the layer and norm units hold a
+number of elements that 4 does not divide: every stage pads. Then the bytes the meter saw and
+the bytes of parameters, gradients and optimizer states this rank holds are checked, exactly,
+against zero.py's docstring formulas.
+"""
+from importlib import import_module
+
+import torch
+
+import common
+from harness import run_ranks
+
+ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
+STAGES = (1, 2, 3)
+
+
+def _zero_rank(stages, steps, grad_acc):
+    """Each ZeRO stage in turn in the same processes (one spawn for all of them)."""
+    zero_train = import_module("03_zero.train")
+    out = {}
+    for stage in stages:
+        args = zero_train.dp_train.parse_and_check(
+            common.argv(*ODD, "--dp", common_world(), "--zero-stage", stage, steps=steps, mbs=1, grad_acc=grad_acc),
+            "test", zero_train.build_parser, zero_train.check_layout)
+        records, zero, model, optimizer, meter = zero_train.run(args)
+        events = list(zero.events)                  # the last step's, before full_state_dict gathers
+        out[stage] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                          state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},  # numpy:
+                          # pickled by value (many tensors through the result queue exhaust shared-memory handles)
+                          wire=dict(meter.wire), calls=dict(meter.calls), events=events,
+                          held=zero.model_state_bytes(model, optimizer), padded_bytes=zero.padded_bytes,
+                          unpadded_bytes=sum(p.numel() * 4 for p in model.parameters()), units=len(zero.units),
+                          expected_held=zero_train.expected_state_bytes(stage, args.dp, zero.padded_bytes))
+    return out
+
+
+def common_world():
+    import torch.distributed as dist
+    return dist.get_world_size()
+
+
+def single_device(steps, mbs, grad_acc):
+    """01's losses, gradient norms and final parameters for the same flags."""
+    base = import_module("01_single_gpu.train")
+    args = base.cli.parse_args(base.cli.core_parser("test"), common.argv(*ODD, steps=steps, mbs=mbs, grad_acc=grad_acc))
+    records, model = base.run(args)
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records], model.state_dict()
+
+
+def check_against_single(results, steps, grad_acc, n, stages):
+    """Numbers per stage; the tolerance is explained in the test docstrings."""
+    ref_losses, ref_norms, ref_state = single_device(steps, n, grad_acc)
+    for stage in stages:
+        for rank, out in enumerate(results):
+            got, what = out[stage], f"ZeRO-{stage} rank {rank}"
+            torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=what)
+            torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=what)
+            for name, ref in ref_state.items():
+                torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5,
+                                           msg=f"{what} {name}")
+
+
+def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
+    """dp 4 × mbs 1 × grad_acc 2, stages 1-3, == 01 with mbs 4 × grad_acc 2, and the formulas hold.
+
+    Tolerances (fp32): losses 1e-5 absolute, parameters 1e-5 after 2 AdamW steps, norms 1e-5
+    relative. The ranks sum four partial gradients in a different order than one device and the
+    norm is a sum of shard squares, not a norm of per-tensor norms: last-bit differences (~1e-7)
+    that AdamW's m/√v can amplify for near-zero gradients; a wrong 1/N, a lost micro-batch or a
+    missing clip changes the loss in the 3rd digit. The gradient norms are above the clip of 1.0,
+    so clipping is active and checked too.
+
+    Bytes, exact, per rank: reduce-scatter + all-gather wire = 2, A+1, 3A × (N−1)/N · Ψ for stages
+    1, 2, 3 with A = 2 micro-batches (Ψ = padded flat bytes), and the two fp32 scalar all-reduces
+    (norm, loss). Held: parameters/gradients/optimizer = 4Ψ/4Ψ/8Ψ/N, 4Ψ/4Ψ/N/8Ψ/N, 4Ψ/N/4Ψ/N/8Ψ/N.
+    Overlap: stage 2-3 reduce-scatters are issued from the gradient hooks, head first (before the
+    embedding's gradient exists); stage 3 issues unit k+1's all-gather before unit k runs.
+    """
+    steps, grad_acc, n = 2, 2, 4
+    results = run_ranks(_zero_rank, n, args=(STAGES, steps, grad_acc))
+    check_against_single(results, steps, grad_acc, n, STAGES)
+    scalar_wire = 2 * (n - 1) * 4 // n
+    for stage in STAGES:
+        got = results[0][stage]
+        psi = got["padded_bytes"]
+        assert psi > got["unpadded_bytes"] and psi % (4 * n) == 0          # padding really happened
+        ring = (n - 1) * psi // n
+        times = {1: 2, 2: grad_acc + 1, 3: 3 * grad_acc}[stage]
+        assert got["wire"][("reduce_scatter", "dp")] + got["wire"][("all_gather", "dp")] == steps * times * ring
+        assert got["wire"][("all_reduce", "dp")] == steps * 2 * scalar_wire
+        assert got["calls"][("all_reduce", "dp")] == steps * 2
+        assert got["held"] == got["expected_held"] == {
+            1: (psi, psi, 2 * psi // n), 2: (psi, psi // n, 2 * psi // n), 3: (psi // n, psi // n, 2 * psi // n)}[stage]
+        if stage > 1:   # events of the last step's last micro-batch
+            scatters = [u for kind, u in got["events"] if kind == "reduce_scatter"]
+            assert scatters[-got["units"]:] == list(reversed(range(got["units"])))
+    events = results[0][3]["events"]
+    units = results[0][3]["units"]
+    assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc   # forward + backward
+    forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]   # first micro-batch's forward
+    for k in range(units - 1):
+        assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
+    assert events.index(("reduce_scatter", units - 1)) < max(i for i, e in enumerate(events) if e == ("backward", 0))
+
+
+def test_zero3_dp2():
+    """The smallest sharding, dp 2 × mbs 2 == 01 with mbs 4 for ZeRO-3 (tolerances as above)."""
+    results = run_ranks(_zero_rank_dp2, 2)
+    check_against_single(results, 2, 1, 2, (3,))
+
+
+def _zero_rank_dp2():
+    return _zero_rank((3,), 2, 1)
