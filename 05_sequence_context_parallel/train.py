@@ -8,6 +8,8 @@ Playbook §2.4–2.5. On top of 04's tensor parallelism:
                 RoPE positions too), attention runs as a ring (context_parallel.py); activations / cp,
                 cp−1 K/V hops per layer forward. Gradients are averaged over the cp×dp ranks.
   --cp-layout   contiguous (rank r: chunk r) or zigzag (rank r: chunks r and 2cp−1−r, balanced).
+  --cp-attn     ring (default) or ulysses: all-to-all from sequence-sharded to head-sharded and back
+                (ulysses.py; cp must divide the heads each rank holds).
 The ranks form the grid arange(world).view(dp, 1, cp, tp).
 
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --tp 2 --sp --cp 2 --cp-layout zigzag
@@ -31,6 +33,7 @@ tp_train = import_module("04_tensor_parallel.train")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+ulysses = import_module("05_sequence_context_parallel.ulysses")
 
 
 def build_parser(description):
@@ -40,6 +43,8 @@ def build_parser(description):
     g.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks that split each sequence")
     g.add_argument("--cp-layout", choices=context_parallel.LAYOUTS, default="zigzag",
                    help="which chunks of the sequence each cp rank holds")
+    g.add_argument("--cp-attn", choices=["ring", "ulysses"], default="ring",
+                   help="attention across the cp ranks: K/V ring or all-to-all over heads")
     return p
 
 
@@ -48,6 +53,9 @@ def check_layout(args, config):
     context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
+    if args.cp_attn == "ulysses":
+        tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
+        ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp, args.cp)
     tp_train.check_layout(args, config, cp=args.cp)   # the model's divisibility, then the world size
 
 
@@ -71,7 +79,8 @@ def run(args, config):
         elif args.tp > 1:
             tensor_parallel.apply_tensor_parallel(model, grid)
         if args.cp > 1:
-            context_parallel.apply_context_parallel(model, layout, grid.cp_group)
+            apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
+            apply(model, layout, grid.cp_group)
 
     plan_kw = {}
     if args.cp > 1:

@@ -1,8 +1,8 @@
 """05_sequence_context_parallel: sequence parallelism, ring attention, zig-zag, against 01.
 
-Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention
-(contiguous and zig-zag, grouped-query heads) against dense causal attention, forward and the
-q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
+Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention and
+Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads) against dense causal
+attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
 gradient, with SP's norm-gradient all-reduce and CP's gradient averaging applied).
 Formulas measured, not assumed: SP moves the same bytes as TP (all-reduce = reduce-scatter +
 all-gather), CP sends cp−1 K/V blocks per layer forward (cp−1 K/V + cp dK/dV backward), SP divides
@@ -30,6 +30,7 @@ comm = import_module("02_data_parallel.comm")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+ulysses = import_module("05_sequence_context_parallel.ulysses")
 cp_train = import_module("05_sequence_context_parallel.train")
 
 B, T, C, L, V = 2, 16, 32, 2, 64
@@ -49,15 +50,22 @@ def check_ring_attention(grid):
     out = modeling.sdpa_attention(*dense)        # float64 throughout (eager's softmax is float32)
     upstream = torch.randn_like(out)
     out.backward(upstream)
-    for kind in context_parallel.LAYOUTS:
+    for kind, attn in [(kind, attn) for kind in context_parallel.LAYOUTS
+                       for attn in (context_parallel.RingAttention, ulysses.UlyssesAttention)]:
         layout = context_parallel.CPLayout(kind, grid.cp_size)
         pos = layout.positions(grid.cp_rank, T)
         mine = [_leaf(t[:, :, pos]) for t in (q, k, v)]
-        ring_out = context_parallel.RingAttention(layout, grid.cp_group)(*mine)
-        torch.testing.assert_close(ring_out, out[:, :, pos], **EXACT)
-        ring_out.backward(upstream[:, :, pos])
+        with comm.CommMeter(grid.group_names()) as forward:
+            cp_out = attn(layout, grid.cp_group)(*mine)
+        torch.testing.assert_close(cp_out, out[:, :, pos], **EXACT)
+        with comm.CommMeter(grid.group_names()) as backward:
+            cp_out.backward(upstream[:, :, pos])
         for got, want in zip(mine, dense):
             torch.testing.assert_close(got.grad, want.grad[:, :, pos], **EXACT)
+        if attn is ulysses.UlyssesAttention:   # q, k, v there and the output back; the reverse in backward
+            assert dict(forward.calls) == dict(backward.calls) == {("all_to_all", "cp"): 4}
+            local = B * (T // 2) * 8 * (4 + 2 + 2 + 4) * 8     # b·(s/cp)·hd·(nh + 2·nkv + nh) float64
+            assert forward.total_wire() == backward.total_wire() == local // 2   # (cp−1)/cp leaves
 
 
 def check_models(tp_grid, cp_grid):
@@ -156,7 +164,7 @@ def measured():
     return run_ranks(layer_level, 2, timeout=180)
 
 
-def test_ring_attention_and_sequence_parallel_match_dense_twins(measured):
+def test_ring_ulysses_and_sequence_parallel_match_dense_twins(measured):
     assert len(measured) == 2   # the twins are asserted inside the ranks; a mismatch fails the spawn
 
 
@@ -231,11 +239,11 @@ SCP = "05_sequence_context_parallel.train"
 def test_sp_and_cp2_runs_equal_single_device():
     per_rank = run_ranks(train_layouts, 2, args=([(SCP, ["--tp", "2", "--sp"]),
                                                   (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
-                                                  (SCP, ["--cp", "2", "--cp-layout", "zigzag"])],), timeout=240)
+                                                  (SCP, ["--cp", "2", "--cp-layout", "zigzag"]),
+                                                  (SCP, ["--cp", "2", "--cp-attn", "ulysses"])],), timeout=240)
     ref = reference()
-    assert_matches_reference([r[0] for r in per_rank], ref, tp=2)
-    assert_matches_reference([r[1] for r in per_rank], ref, tp=1)
-    assert_matches_reference([r[2] for r in per_rank], ref, tp=1)
+    for i, tp in enumerate([2, 1, 1, 1]):
+        assert_matches_reference([r[i] for r in per_rank], ref, tp=tp)
 
 
 def test_four_rank_layouts_equal_single_device():
@@ -274,3 +282,5 @@ def test_bad_layouts_fail_before_any_process_group():
                "--seq-len", "12", world=8)
     with pytest.raises(ValueError, match=r"does not equal the world size 2"):
         _check("--tp", "2", "--cp", "2", world=2)
+    with pytest.raises(ValueError, match=r"ulysses .* cp=2 does not divide the 1 key/value heads"):
+        _check("--tp", "2", "--cp", "2", "--cp-attn", "ulysses", world=4)
