@@ -55,6 +55,8 @@ def _nbytes(t):
 
 def _wire_bytes(op, n, args, kwargs):
     """(payload, wire) bytes of one call, by the conventions in the module docstring."""
+    if op == "barrier":  # no tensor (and maybe no arguments at all)
+        return 0, 0
     a0 = args[0] if args else next(iter(kwargs.values()))
     if op == "all_reduce":
         k = _nbytes(a0)
