@@ -12,6 +12,7 @@ differences of up to ~lr·1e-3 = 3e-6 per step; a wrong shard or a missed reduct
 The measured communication is checked against the formula in tensor_parallel.py's docstring.
 """
 import copy
+import shutil
 import subprocess
 import sys
 from importlib import import_module
@@ -212,17 +213,30 @@ def test_communication_matches_megatron_formula():
 TP = "04_tensor_parallel.train"
 
 
-def test_tp2_equals_single_device_also_from_hf_weights_with_tied_embeddings(tmp_path):
-    """tp 2 on the default tiny model, and tp 2 started from an HF-format directory (--init-from)
-    with tied embeddings: the full checkpoint is loaded on every rank and sliced, and the tied
-    vocab-parallel embedding/head share one (V/t, C) shard."""
+def tp2_runs(layouts, checkpoint_dir):
+    """The layouts, then a resume from the step-2 checkpoint the first one wrote (step 3 deleted)."""
+    results = train_layouts(layouts)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(Path(checkpoint_dir) / "step_000003")
+    torch.distributed.barrier()
+    return results + train_layouts([(TP, ["--tp", "2", "--checkpoint-dir", checkpoint_dir, "--resume"])])
+
+
+def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tmp_path):
+    """tp 2 on the default tiny model, saving per-rank shards at step 2; resumed from them, step 3
+    is the same again. Then tp 2 started from an HF-format directory (--init-from) with tied
+    embeddings: the full checkpoint is loaded on every rank and sliced, and the tied vocab-parallel
+    embedding and head share one (V/t, C) shard."""
     config = base.cli.model_config(base.cli.parse_args(base.cli.core_parser("t"), common.argv("--tie-embeddings")),
                                    base.data.ByteTokenizer().vocab_size)
     torch.manual_seed(7)
     hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp_path / "hf")
-    init = ("--init-from", str(tmp_path / "hf"))
-    per_rank = run_ranks(train_layouts, 2, args=([(TP, ["--tp", "2"]), (TP, ["--tp", "2", *init])],), timeout=180)
-    assert_matches_reference([r[0] for r in per_rank], reference(), tp=2)
+    init, ckpt = ("--init-from", str(tmp_path / "hf")), str(tmp_path / "ckpt")
+    layouts = [(TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"]), (TP, ["--tp", "2", *init])]
+    per_rank = run_ranks(tp2_runs, 2, args=(layouts, ckpt), timeout=180)
+    losses, norms, state = ref = reference()
+    assert_matches_reference([r[0] for r in per_rank], ref, tp=2)
+    assert_matches_reference([r[2] for r in per_rank], (losses[2:], norms[2:], state), tp=2)
     assert_matches_reference([r[1] for r in per_rank], reference(*init), tp=2)
 
 
