@@ -1,0 +1,235 @@
+"""Pipeline schedules: in which order each stage runs the forward (F) and backward (B, W) passes.
+
+Playbook §2.6 (AFAB, 1F1B, interleaving, zero bubble), Megatron-LM §4.2.1 (interleaved 1F1B),
+Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, ZB-H1). m micro-batches,
+p stages, V chunks per rank; t_F, t_B, t_W the times of one micro-batch's passes on one stage.
+Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
+
+    schedule      bubble                                   micro-batches held per stage
+    afab          (p−1)/m                                  m        (all forwards, then all backwards)
+    1f1b          (p−1)/m          (same bubble, [PB] E16)  p − rank (warm-up, steady 1F1B, cool-down)
+    interleaved   (p−1)/(V·m)      (chunks are V× shorter)  ≈ p per chunk; m must be a multiple of p
+    zb-h1         (p−1)(t_F+t_B−t_W)/(m(t_F+t_B+t_W))        p  (ZB paper §3.1, "ZB-H1")
+                  = (p−1)/(3m) for t_F = t_B = t_W
+
+Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
+on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
+Each schedule is `train_step_*(pipe, micro_batches)` -> the local mean loss (0 off the last stage);
+`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline.
+
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Event:
+    """One pass that a rank really ran: op F (forward), B (backward, or input-gradient only in
+    ZB-H1), W (weight gradient, ZB-H1); wall-clock seconds (time.time(), comparable across processes
+    of one machine)."""
+    rank: int
+    op: str
+    micro: int
+    chunk: int
+    start: float
+    end: float
+
+
+class Pipeline:
+    """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
+    chunk) whose activations are kept for a backward not yet run."""
+
+    def __init__(self, stages, p2p):
+        self.stages, self.p2p = stages, p2p
+        self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
+        self.events, self.peak_held = [], 0
+        self._capturing = None
+        for module in stages.modules():       # ZB-H1 needs the output of every module that owns weights
+            if list(module.parameters(recurse=False)):
+                module.register_forward_hook(self._capture)
+
+    def _capture(self, module, inputs, output):
+        if self._capturing is not None:
+            self._capturing.append((module, output))
+
+    def begin(self, micro_batches, split_backward=False):
+        self.micro_batches, self.m, self.split_backward = micro_batches, len(micro_batches), split_backward
+        self.saved, self.loss, self.events, self.peak_held = {}, 0.0, [], 0
+        self.p2p.sent = []
+
+    def _timed(self, op, micro, chunk, fn):
+        start = time.time()
+        result = fn()
+        self.events.append(Event(self.rank, op, micro, chunk, start, time.time()))
+        return result
+
+    def forward(self, micro: int, chunk: int = 0):
+        """F: receive the input, run the chunk, send the output (or keep the loss / m on the last stage)."""
+        stage = self.stages[chunk]
+        x, labels = self.micro_batches[micro]                                 # (mbs, T) each
+        if not stage.is_first:
+            x = self.p2p.recv_forward(micro, chunk)                           # (mbs, T, C)
+        self._capturing = [] if self.split_backward else None
+        out = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
+        if stage.is_last:
+            out = out / self.m                                                # 01 averages over micro-batches
+            self.loss += out.detach()
+        else:
+            self.p2p.send_forward(out, micro, chunk)
+        self.saved[micro, chunk] = (None if stage.is_first else x, out, self._capturing)
+        self._capturing = None
+        self.peak_held = max(self.peak_held, len(self.saved))
+
+    def backward(self, micro: int, chunk: int = 0):
+        """B (weights included): receive d out, backpropagate through the chunk, send d input."""
+        stage = self.stages[chunk]
+        x, out, _ = self.saved.pop((micro, chunk))
+        dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
+        self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
+        if x is not None:
+            self.p2p.send_backward(x.grad, micro, chunk)
+
+    def backward_input(self, micro: int, chunk: int = 0):
+        """ZB's B: gradients w.r.t. the chunk input and every weight-owning module's output only
+        (dX = dY·Wᵀ, no dW yet); the graph is kept for W."""
+        stage = self.stages[chunk]
+        x, out, captured = self.saved[micro, chunk]
+        dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
+        targets = ([x] if x is not None else []) + [y for _, y in captured]
+        grads = self._timed("B", micro, chunk, lambda: torch.autograd.grad(
+            out, targets, grad_outputs=dout, retain_graph=True))
+        if x is not None:
+            self.p2p.send_backward(grads[0], micro, chunk)
+            grads = grads[1:]
+        self.saved[micro, chunk] = (x, out, [(module, y, dy) for (module, y), dy in zip(captured, grads)])
+
+    def backward_weight(self, micro: int, chunk: int = 0):
+        """ZB's W: dW = Xᵀ·dY for every weight-owning module, from its saved output gradient dY; each
+        module alone, so a gradient never flows on into the modules before it (B did that)."""
+        _, _, captured = self.saved.pop((micro, chunk))
+
+        def weight_gradients():
+            for module, y, dy in captured:
+                torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)), retain_graph=True)
+        self._timed("W", micro, chunk, weight_gradients)
+
+    def finish(self):
+        self.p2p.finish()
+        assert not self.saved, f"passes left unfinished: {sorted(self.saved)}"
+        return self.loss
+
+
+# ======================================================================================
+# All forward, all backward (GPipe)
+# ======================================================================================
+def train_step_afab(pipe, micro_batches):
+    pipe.begin(micro_batches)
+    # === all forward: every micro-batch's activations stay until its backward ===
+    for i in range(pipe.m):
+        pipe.forward(i)
+    # === all backward ===
+    for i in range(pipe.m):
+        pipe.backward(i)
+    return pipe.finish()
+
+
+# ======================================================================================
+# One forward, one backward (PipeDream-Flush)
+# ======================================================================================
+def train_step_1f1b(pipe, micro_batches):
+    pipe.begin(micro_batches)
+    m = pipe.m
+    warmup = min(pipe.p - pipe.rank - 1, m)   # later stages start backward sooner
+    # === warm-up ===
+    for i in range(warmup):
+        pipe.forward(i)
+    # === steady 1F1B ===
+    for i in range(m - warmup):
+        pipe.forward(warmup + i)
+        pipe.backward(i)
+    # === cool-down ===
+    for i in range(m - warmup, m):
+        pipe.backward(i)
+    return pipe.finish()
+
+
+# ======================================================================================
+# Interleaved 1F1B (Megatron-LM §4.2.1, forward_backward_pipelining_with_interleaving)
+# ======================================================================================
+def interleaved_order(k: int, p: int, chunks: int, forward: bool):
+    """(micro-batch, chunk) of the k-th forward (or backward) pass of a rank: groups of p
+    micro-batches go through chunk 0, then chunk 1, …; backward runs the chunks in reverse."""
+    chunk = (k % (p * chunks)) // p
+    return (k // (p * chunks)) * p + k % p, chunk if forward else chunks - 1 - chunk
+
+
+def train_step_interleaved(pipe, micro_batches):
+    pipe.begin(micro_batches)
+    p, rank, V = pipe.p, pipe.rank, pipe.chunks
+    total = pipe.m * V                                  # passes per direction on this rank
+    # Megatron: enough warm-up forwards that the last chunk's first backward can start; with m == p
+    # every forward comes first.
+    warmup = total if pipe.m == p else min(total, (p - rank - 1) * 2 + (V - 1) * p)
+    # === warm-up ===
+    for k in range(warmup):
+        pipe.forward(*interleaved_order(k, p, V, forward=True))
+    # === steady 1F1B ===
+    for k in range(total - warmup):
+        pipe.forward(*interleaved_order(warmup + k, p, V, forward=True))
+        pipe.backward(*interleaved_order(k, p, V, forward=False))
+    # === cool-down ===
+    for k in range(total - warmup, total):
+        pipe.backward(*interleaved_order(k, p, V, forward=False))
+    return pipe.finish()
+
+
+# ======================================================================================
+# ZB-H1: 1F1B with the backward split into B (input gradient) and W (weight gradient)
+# ======================================================================================
+def train_step_zb_h1(pipe, micro_batches):
+    """1F1B's order of F and B; stage r runs micro-batch i's W only after the B of micro-batch i+r,
+    so the r deferred Ws fill the cool-down, where 1F1B waits for gradients from later stages.
+    Held micro-batches: (p−r−1 warm-up) + 1 + r deferred = p on every stage (1F1B's peak)."""
+    pipe.begin(micro_batches, split_backward=True)
+    m, lag = pipe.m, pipe.rank
+    warmup = min(pipe.p - pipe.rank - 1, m)
+    deferred = []
+
+    def input_gradient_then_due_weights(i):
+        pipe.backward_input(i)
+        deferred.append(i)
+        while len(deferred) > lag:
+            pipe.backward_weight(deferred.pop(0))
+    # === warm-up ===
+    for i in range(warmup):
+        pipe.forward(i)
+    # === steady: F, B, (W of micro-batch i − r) ===
+    for i in range(m - warmup):
+        pipe.forward(warmup + i)
+        input_gradient_then_due_weights(i)
+    # === cool-down: B, W ===
+    for i in range(m - warmup, m):
+        input_gradient_then_due_weights(i)
+    # === the last deferred Ws fill the end of the step ===
+    for i in deferred:
+        pipe.backward_weight(i)
+    return pipe.finish()
+
+
+def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
+    """Micro-batches (per chunk) whose activations a rank holds at its peak, by the schedules above."""
+    if schedule == "afab":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - rank)                     # warm-up p − rank − 1, then one more before a B
+    if schedule == "zb-h1":
+        return min(m, p)                            # p − rank of 1F1B + rank deferred Ws
+    total = m * chunks                              # interleaved: Megatron's warm-up + 1
+    return total if m == p else min(total, (p - rank - 1) * 2 + (chunks - 1) * p + 1)
+
+
+SCHEDULE_STEPS = {"afab": train_step_afab, "1f1b": train_step_1f1b,
+                  "interleaved": train_step_interleaved, "zb-h1": train_step_zb_h1}

@@ -1,0 +1,117 @@
+"""The executed pipeline timeline: bubble fractions (measured, replayed, theory), checks, a picture.
+
+Playbook §2.6 (the AFAB / 1F1B / interleaved / ZB figures). Every schedule records the passes a
+rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, wall-clock start and end);
+this file turns the events of all ranks of one pipeline into
+
+  * the measured bubble: span of the step T, rank r busy for busy_r, bubble_r = (T − busy_r)/busy_r
+    (idle / useful, the playbook's t_pb / t_id), averaged over the ranks: noisy on a shared CPU;
+  * the replayed bubble: the recorded order of passes re-timed with ideal durations (t_F = 1,
+    t_B = 2 for a fused backward, t_B = t_W = 1 when split, each /V with V chunks) and only the data
+    dependencies between stages; it equals the theory exactly when a schedule is what it claims:
+        afab, 1f1b: (p−1)/m     interleaved: (p−1)/(V·m)     zb-h1: (p−1)/(3m)
+    (ZB paper §3.1: ZB-H1's bubble is (p−1)(t_F+t_B−t_W) against 1F1B's (p−1)(t_F+t_B+t_W));
+  * `timeline_violations`: every pass starts after the passes it depends on ended (F of block b
+    after F of block b−1, B after the B of block b+1, W after its B) and a rank runs one pass at a time;
+  * `render_png`: one row per rank, boxes coloured by micro-batch, B lighter, W hatched.
+
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b --timeline 1f1b.png
+"""
+
+
+def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:
+    """Idle / useful time per rank with equal per-stage times (t_F = t_B = t_W for ZB-H1)."""
+    if schedule == "interleaved":
+        return (p - 1) / (chunks * m)
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m)
+    return (p - 1) / m
+
+
+def _block(event, p):           # chunk c of rank r holds block c·p + r
+    return event.chunk * p + event.rank
+
+
+def measured_bubble(events) -> float:
+    start, end = min(e.start for e in events), max(e.end for e in events)
+    ranks = sorted({e.rank for e in events})
+    busy = [sum(e.end - e.start for e in events if e.rank == r) for r in ranks]
+    return sum((end - start - b) / b for b in busy) / len(ranks)
+
+
+def replayed_bubble(events, p: int, chunks: int = 1) -> float:
+    """The bubble of the recorded order of passes under ideal durations (see the docstring)."""
+    split = any(e.op == "W" for e in events)
+    duration = {"F": 1 / chunks, "B": (1 if split else 2) / chunks, "W": 1 / chunks}
+    queues = {r: sorted((e for e in events if e.rank == r), key=lambda e: e.start) for r in range(p)}
+    done, free, last = {}, [0.0] * p, p * chunks - 1
+    while any(queues.values()):
+        progressed = False
+        for r, queue in queues.items():
+            while queue:
+                e, b = queue[0], _block(queue[0], p)
+                needs = {"F": [("F", e.micro, b - 1)] if b > 0 else [],
+                         "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
+                         "W": [("B", e.micro, b)]}[e.op]
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[r]] + [done[n] for n in needs])
+                free[r] = done[e.op, e.micro, b] = start + duration[e.op]
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the recorded order of passes deadlocks under its own dependencies")
+    busy = sum(duration[e.op] for e in events) / p
+    return (max(free) - busy) / busy
+
+
+def timeline_violations(events, p: int, chunks: int = 1) -> list:
+    """Human-readable list of broken dependencies or overlapping passes (empty when consistent)."""
+    at = {(e.op, e.micro, _block(e, p)): e for e in events}
+    last, problems = p * chunks - 1, []
+    for e in events:
+        b = _block(e, p)
+        needs = {"F": [("F", e.micro, b - 1)] if b > 0 else [],
+                 "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
+                 "W": [("B", e.micro, b)]}[e.op]
+        for n in needs:
+            if n not in at:
+                problems.append(f"{e.op}{e.micro} on block {b} ran, but {n} never did")
+            elif at[n].end > e.start:
+                problems.append(f"{e.op}{e.micro} on block {b} started before {n} ended")
+    for r in range(p):
+        mine = sorted((e for e in events if e.rank == r), key=lambda e: e.start)
+        problems += [f"rank {r}: {a.op}{a.micro} and {b.op}{b.micro} overlap" for a, b in zip(mine, mine[1:])
+                     if b.start < a.end]
+    return problems
+
+
+def render_png(events, path: str, title: str, p: int, chunks: int = 1):
+    """Draw the timeline (matplotlib, imported here: only --timeline needs it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    t0 = min(e.start for e in events)
+    colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
+    fig, ax = plt.subplots(figsize=(10, 0.45 * p + 1.1), dpi=80)
+    for e in events:
+        colour = colours(e.micro % colours.N)
+        style = {"F": dict(facecolor=colour, alpha=1.0),
+                 "B": dict(facecolor=colour, alpha=0.45),                          # lighter shade
+                 "W": dict(facecolor=colour, alpha=0.8, hatch="///")}[e.op]         # hatched
+        left, width = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
+        ax.barh(p - 1 - e.rank, width, left=left, height=0.8, edgecolor="black", linewidth=0.4, **style)
+        label = f"{e.micro}" + (f"c{e.chunk}" if chunks > 1 else "")
+        ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6, clip_on=True)
+    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+    ax.set_xlabel("wall-clock time (ms)")
+    ax.set_title(title, fontsize=9)
+    grey = (0.5, 0.5, 0.5)
+    ax.legend(handles=[Patch(facecolor=grey, label="F"), Patch(facecolor=grey, alpha=0.45, label="B"),
+                       Patch(facecolor=grey, alpha=0.8, hatch="///", label="W")],
+              loc="upper right", fontsize=7, ncol=3, bbox_to_anchor=(1.0, 1.35))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

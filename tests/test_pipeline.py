@@ -1,0 +1,179 @@
+"""06_pipeline: every schedule against the single-device run, and the schedules' own formulas.
+
+Whole-model checks (real gloo ranks; one spawn per world runs several flag sets in sequence):
+losses of every step and the final parameters equal 01's for the same global batch
+(dp·mbs·grad_acc), for pp 2 and 4, m from p to 2p+1, afab / 1f1b / interleaved (V = 1, 2) / zb-h1,
+and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
+gradient norm is summed per stage and then across stages, dp averages are summed in another order and
+ZB-H1 computes dW in a separate autograd call, so results differ by float32 rounding (~1e-7
+relative); after 2 AdamW steps (whose update ~ lr·g/|g| amplifies rounding for tiny g) parameters
+agree to 1e-5 absolute, losses to 1e-6 relative.
+
+Schedule checks on what really ran: peak micro-batches held (m for AFAB, p − rank for 1F1B, p for
+ZB-H1, Megatron's warm-up + 1 for interleaved), the timeline is causally consistent, each rank ran
+m·V F and m·V B (and m W for ZB-H1), the recorded order replayed with ideal pass times gives exactly
+the theory bubble, and the point-to-point bytes equal m·(2V − [first] − [last])·mbs·T·C·4.
+"""
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+from harness import run_ranks
+
+pipeline = import_module("06_pipeline.pipeline")
+schedules = import_module("06_pipeline.schedules")
+timeline = import_module("06_pipeline.timeline")
+STEPS, MBS = 2, 2
+TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
+
+
+def _runs(flag_sets):
+    """On every rank: train once per flag set (same process group); what the parent checks."""
+    train = import_module("06_pipeline.train")
+    results = []
+    for extra, grad_acc, dtype in flag_sets:
+        args = train.parse(common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
+        records, stages, pipe, events, meter = train.run(args)
+        results.append(dict(
+            losses=[r["loss"] for r in records], pp_rank=pipe.rank, peak_held=pipe.peak_held, events=events,
+            sends=len(pipe.p2p.sent), isend_bytes=meter.total_wire("isend"),
+            # numpy, not tensors: a tensor crosses the result queue by shared memory, which a finished
+            # rank may have released before the parent reads it
+            state={pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages.state_dict().items()}))
+    return results
+
+
+def _check(flag_sets, per_rank, dp=1):
+    for i, (extra, m, dtype) in enumerate(flag_sets):
+        flags = dict(zip(extra[::2], extra[1::2]))
+        p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
+        layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
+        ref_extra = ["--num-layers", layers] if layers else []
+        ref_losses, ref_state = common.single_device_run(*ref_extra, steps=STEPS, mbs=MBS * dp, grad_acc=m,
+                                                         dtype=dtype)
+        tolerance = TOLERANCE[dtype]
+        runs = [rank_results[i] for rank_results in per_rank]
+        what = f"{schedule} p={p} V={V} m={m} dp={dp}"
+        state = {}
+        for run in runs:
+            assert run["losses"] == pytest.approx(ref_losses, rel=tolerance["loss"]), what
+            for name, value in run["state"].items():
+                torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"], rtol=0,
+                                           msg=f"{what}: {name}")
+                state[name] = value
+            # --- memory: micro-batches whose activations a stage held at its peak ---
+            assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
+            assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p}.get(schedule, m * V)
+            # --- communication: activations forward, gradients backward, mbs·T·C float32 each ---
+            first, last = run["pp_rank"] == 0, run["pp_rank"] == p - 1
+            assert run["sends"] == m * (2 * V - first - last), what
+            element = 8 if dtype == "float64" else 4
+            assert run["isend_bytes"] == STEPS * run["sends"] * MBS * common.SEQ_LEN * 32 * element, what
+        assert state.keys() == ref_state.keys(), f"{what}: the stages do not cover the model exactly once"
+        # --- the executed timeline (rank 0's pipeline) ---
+        events = runs[0]["events"]
+        assert timeline.timeline_violations(events, p, V) == [], what
+        for rank in range(p):
+            ops = [e.op for e in events if e.rank == rank]
+            assert (ops.count("F"), ops.count("B"), ops.count("W")) == \
+                (m * V, m * V, m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
+        replayed = timeline.replayed_bubble(events, p, V)
+        assert replayed == pytest.approx(timeline.theory_bubble(schedule, p, m, V), abs=1e-9), what
+        print(f"{what}: bubble measured {timeline.measured_bubble(events):.0%} (CPU wall clock, noisy), "
+              f"replayed {replayed:.1%}, theory {timeline.theory_bubble(schedule, p, m, V):.1%}")
+
+
+def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
+    extra = ["--pp", str(pp), "--pp-schedule", schedule, "--pp-chunks", str(chunks), "--dp", str(dp)]
+    return (extra + (["--num-layers", str(layers)] if layers else []), m, dtype)
+
+
+PP4 = [_flags(4, "afab", 4), _flags(4, "1f1b", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 5),
+       _flags(4, "zb-h1", 9), _flags(4, "interleaved", 8, chunks=2, layers=8), _flags(4, "interleaved", 4)]
+PP2 = [_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2), _flags(2, "interleaved", 2, chunks=2),
+       _flags(2, "interleaved", 4, chunks=2)]
+DP2_PP2 = [_flags(2, schedule, m, chunks, dp=2, dtype="float64")
+           for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2))]
+
+
+@pytest.mark.timeout(240)
+def test_pp4_every_schedule_matches_single_device():
+    _check(PP4, run_ranks(_runs, 4, args=(PP4,)))
+
+
+@pytest.mark.timeout(240)
+def test_pp2_every_schedule_matches_single_device(tmp_path):
+    """Also draws one timeline: --timeline writes a PNG (matplotlib) of the last step."""
+    picture = tmp_path / "zb.png"
+    flag_sets = [(extra + (["--timeline", str(picture)] if "zb-h1" in extra else []), m, dtype)
+                 for extra, m, dtype in PP2]
+    _check(flag_sets, run_ranks(_runs, 2, args=(flag_sets,)))
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(240)
+def test_dp2_pp2_matches_single_device():
+    """Each pipeline reads its half of every micro-batch: 01 runs with mbs·dp. float64: the dp average
+    sums the two halves' gradients in another order than 01's one batch, and AdamW's first steps
+    (update ≈ lr·g/|g|) turn float32 rounding of near-zero gradients into ~1e-4 parameter differences;
+    in float64 the same rounding stays below 1e-9."""
+    _check(DP2_PP2, run_ranks(_runs, 4, args=(DP2_PP2,)), dp=2)
+
+
+def test_layer_partition_and_stage_modules():
+    """Chunk c of rank r holds block c·p + r; embedding on the first chunk, norm/head/loss on the last."""
+    assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1)] == [[1], [5]]
+    assert [list(b) for b in pipeline.layer_blocks(16, 4, 2, 1)] == [[2, 3], [10, 11]]
+    assert [list(b) for b in pipeline.layer_blocks(4, 2, 1, 1)] == [[2, 3]]
+    config = import_module("01_single_gpu.model").LlamaConfig(num_hidden_layers=8, hidden_size=32,
+                                                              intermediate_size=64, vocab_size=64)
+    full = import_module("01_single_gpu.model").LlamaForCausalLM(config)
+    names = []
+    for rank in range(4):
+        stages = pipeline.build_stages(full, rank, 4, chunks=2)
+        assert [s.is_first for s in stages] == [rank == 0, False]
+        assert [s.is_last for s in stages] == [False, rank == 3]
+        names += [pipeline.single_device_name(n) for n, _ in stages.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())
+
+
+def test_schedule_formulas():
+    """Theory bubbles and peaks, and the replay of ideal pass orders reproduces them."""
+    assert timeline.theory_bubble("afab", 4, 8) == timeline.theory_bubble("1f1b", 4, 8) == 3 / 8   # [PB] E16
+    assert timeline.theory_bubble("interleaved", 4, 8, chunks=2) == 3 / 16
+    assert timeline.theory_bubble("zb-h1", 4, 8) == 3 / 24
+    assert [schedules.peak_held("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
+    assert [schedules.peak_held("zb-h1", 4, r, 8) for r in range(4)] == [4, 4, 4, 4]
+    assert schedules.peak_held("afab", 4, 0, 8) == 8
+    # Megatron's interleaved order: micro-batches 0..p−1 through chunk 0, then chunk 1, then 4..7 …
+    order = [schedules.interleaved_order(k, 4, 2, forward=True) for k in range(16)]
+    assert order[:9] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 0)]
+    assert schedules.interleaved_order(0, 4, 2, forward=False) == (0, 1)
+
+
+def test_bad_layouts_fail_before_any_process_group():
+    """Clear errors from the validation, raised by parse() before init_distributed."""
+    check = pipeline.check_pipeline
+    with pytest.raises(ValueError, match=r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"):
+        check(4, 3, 1, "1f1b", 8, False)
+    with pytest.raises(ValueError, match=r"pp·pp-chunks = 4·2 = 8 does not divide num_layers=4"):
+        check(4, 4, 2, "interleaved", 8, False)
+    with pytest.raises(ValueError, match=r"multiple of pp=4, got 6 .*use --grad-acc 8"):
+        check(8, 4, 2, "interleaved", 6, False)
+    with pytest.raises(ValueError, match=r"multiple of pp=4, got 2"):      # fewer micro-batches than stages
+        check(8, 4, 2, "interleaved", 2, False)
+    with pytest.raises(ValueError, match=r"--pp-chunks 2 needs --pp-schedule interleaved"):
+        check(8, 2, 2, "1f1b", 4, False)
+    with pytest.raises(ValueError, match=r"--tie-embeddings with --pp > 1 is not supported"):
+        check(4, 2, 1, "1f1b", 4, True)
+    with pytest.raises(ValueError, match=r"zb-h1 .* full recomputation"):
+        check(4, 2, 1, "zb-h1", 4, False, recompute="full")
+    import torch.distributed as dist
+    train = import_module("06_pipeline.train")
+    with pytest.raises(SystemExit):
+        train.main(common.argv("--pp", "3"))
+    with pytest.raises(SystemExit):
+        train.main(common.argv("--pp", "4"))         # world size 1 here
+    assert not dist.is_initialized()
