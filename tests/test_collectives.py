@@ -2,9 +2,9 @@
 
 Exact comparisons (small integers in float32 are exact). 3 ranks (a group of ranks 0-2 of one
 4-rank spawn), the playbook appendix's setting; the ring all-reduce on 4 ranks with K = 10 (not
-divisible by 4), where the elements each rank
-sends are 2K − |chunk r+1| − |chunk r+2| and add up to 2(N−1)K over the ranks; with N | K that is
-2(N−1)K/N per rank (checked with K = 12). The communication meter must see the same bytes for the ring's isends.
+divisible by 4), where the elements each rank sends are 2K − |chunk r+1| − |chunk r+2| and add up
+to 2(N−1)K over the ranks; with N | K that is 2(N−1)K/N per rank (checked with K = 12). The
+communication meter must see the same bytes for the ring's isends.
 """
 from importlib import import_module
 
