@@ -201,8 +201,8 @@ class ZeRO:
 
     def _end_of_backward(self):
         for unit in self.units:
-            if 0 < unit.ready < len(unit.params) or (unit.ready == 0 and self.stage > 1):
-                self._reduce_scatter(unit)    # parameters this backward did not reach: zeros
+            if unit.ready < len(unit.params):
+                self._reduce_scatter(unit)    # parameters this backward did not reach count as zeros
             unit.ready = 0
         self._retire(keep=0)
         self.callback_queued = False
@@ -219,11 +219,16 @@ class ZeRO:
                                                 async_op=True)                 # (U/N,) -> (U,)
         self.events.append(("gather_issued", unit.index))
 
+    def _materialize(self, unit):
+        """Block until unit's full parameters are here (gathering them now if nobody prefetched)."""
+        self._gather(unit)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+        unit.gather_work, unit.gathered = None, True
+
     def _before(self, unit, direction):
         """Forward (+1) / backward (−1) pre-hook: have this unit, prefetch the next one."""
-        self._gather(unit)
-        unit.gather_work.wait() if unit.gather_work is not None else None
-        unit.gather_work, unit.gathered = None, True
+        self._materialize(unit)
         neighbour = unit.index + direction
         if 0 <= neighbour < len(self.units):
             self._gather(self.units[neighbour])
@@ -238,9 +243,7 @@ class ZeRO:
     def full_state_dict(self, model):
         """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
         for unit in self.units:
-            self._gather(unit)
-            unit.gather_work.wait() if unit.gather_work is not None else None
-            unit.gather_work, unit.gathered = None, True
+            self._materialize(unit)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for unit in self.units:
             if self.stage == 3:

@@ -18,13 +18,14 @@ ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--inte
 STAGES = (1, 2, 3)
 
 
-def _zero_rank(stages, steps, grad_acc):
+def _zero_rank(stages, steps, grad_acc, extra=()):
     """Each ZeRO stage in turn in the same processes (one spawn for all of them)."""
     zero_train = import_module("03_zero.train")
     out = {}
     for stage in stages:
         args = zero_train.dp_train.parse_and_check(
-            common.argv(*ODD, "--dp", common_world(), "--zero-stage", stage, steps=steps, mbs=1, grad_acc=grad_acc),
+            common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps,
+                        mbs=1, grad_acc=grad_acc),
             "test", zero_train.build_parser, zero_train.check_layout)
         records, zero, model, optimizer, meter = zero_train.run(args)
         events = list(zero.events)                  # the last step's, before full_state_dict gathers
@@ -38,22 +39,23 @@ def _zero_rank(stages, steps, grad_acc):
     return out
 
 
-def common_world():
+def world_size():
     import torch.distributed as dist
     return dist.get_world_size()
 
 
-def single_device(steps, mbs, grad_acc):
+def single_device(steps, mbs, grad_acc, extra=()):
     """01's losses, gradient norms and final parameters for the same flags."""
     base = import_module("01_single_gpu.train")
-    args = base.cli.parse_args(base.cli.core_parser("test"), common.argv(*ODD, steps=steps, mbs=mbs, grad_acc=grad_acc))
+    args = base.cli.parse_args(base.cli.core_parser("test"),
+                               common.argv(*ODD, *extra, steps=steps, mbs=mbs, grad_acc=grad_acc))
     records, model = base.run(args)
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], model.state_dict()
 
 
-def check_against_single(results, steps, grad_acc, n, stages):
+def check_against_single(results, steps, grad_acc, n, stages, extra=()):
     """Numbers per stage; the tolerance is explained in the test docstrings."""
-    ref_losses, ref_norms, ref_state = single_device(steps, n, grad_acc)
+    ref_losses, ref_norms, ref_state = single_device(steps, n, grad_acc, extra)
     for stage in stages:
         for rank, out in enumerate(results):
             got, what = out[stage], f"ZeRO-{stage} rank {rank}"
@@ -107,11 +109,15 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
     assert events.index(("reduce_scatter", units - 1)) < max(i for i, e in enumerate(events) if e == ("backward", 0))
 
 
-def test_zero3_dp2():
-    """The smallest sharding, dp 2 × mbs 2 == 01 with mbs 4 for ZeRO-3 (tolerances as above)."""
+def test_zero3_dp2_with_full_recompute():
+    """dp 2 × mbs 1 == 01 with mbs 2 for ZeRO-3 under --recompute full (tolerances as above).
+
+    Recomputation re-runs each layer's forward inside backward, after the backward pre-hook has
+    gathered the layer again: the hooks must leave the parameters in place for it.
+    """
     results = run_ranks(_zero_rank_dp2, 2)
-    check_against_single(results, 2, 1, 2, (3,))
+    check_against_single(results, 2, 1, 2, (3,), extra=("--recompute", "full"))
 
 
 def _zero_rank_dp2():
-    return _zero_rank((3,), 2, 1)
+    return _zero_rank((3,), 2, 1, extra=("--recompute", "full"))
