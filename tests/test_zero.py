@@ -121,3 +121,18 @@ def test_zero3_dp2_with_full_recompute():
 
 def _zero_rank_dp2():
     return _zero_rank((3,), 2, 1, extra=("--recompute", "full"))
+
+
+def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
+    """A wrong world size, or ZeRO-3 with tied weights, exits with the fix named and no group made."""
+    import pytest
+    import torch.distributed as dist
+    zero_train = import_module("03_zero.train")
+    parse = zero_train.dp_train.parse_and_check
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for flags, message in ((("--dp", 2), "launch with --nproc_per_node 2"),
+                           (("--dp", 4, "--zero-stage", 3, "--tie-embeddings"), "drop --tie-embeddings")):
+        with pytest.raises(SystemExit):
+            parse(common.argv(*flags), "test", zero_train.build_parser, zero_train.check_layout)
+        assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
