@@ -126,12 +126,13 @@ class Bucket:
 
 def make_buckets(params, bucket_bytes):
     """Consecutive parameters in reverse order, cut when a bucket reaches bucket_bytes."""
-    buckets, current = [], []
+    buckets, current, size = [], [], 0
     for i in reversed(range(len(params))):
         current.append(i)
-        if sum(params[j].numel() * params[j].element_size() for j in current) >= bucket_bytes:
+        size += params[i].numel() * params[i].element_size()
+        if size >= bucket_bytes:
             buckets.append(Bucket([params[j] for j in current], current))
-            current = []
+            current, size = [], 0
     if current:
         buckets.append(Bucket([params[j] for j in current], current))
     return buckets

@@ -25,14 +25,19 @@ Wire bytes per rank per step (comm.py's ring convention, A micro-batches, bytes 
 plus two scalar all-reduces (the global gradient norm and the logged loss). Stages 2 and 3
 communicate every micro-batch, since a rank keeps no full gradient to accumulate into.
 
+The reduce-scatter writes into slice r of the unit's own buffer and the stage 1-2 all-gather reads
+from it (in-place collectives, which gloo and NCCL both support), so no extra copy exists.
+
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
+
+New compared with 02: the flat units, the sharded optimizer, and where each collective happens.
 """
 import math
 import warnings
+from importlib import import_module
 
 import torch
 import torch.distributed as dist
-from importlib import import_module
 
 base = import_module("01_single_gpu.train")
 memory = import_module("01_single_gpu.memory")
