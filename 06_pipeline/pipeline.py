@@ -4,8 +4,8 @@ Playbook §2.6 (pipeline parallelism), Megatron-LM §2.2 / §4.2.1 (interleaved 
 pipeline of p ranks keeps only its layers; micro-batches flow forward through the stages as
 activations (B, T, C) and come back as gradients of the same shape, sent point to point:
 
-    stage 0: embedding + its layers ──x──▶ stage 1: layers ──x──▶ … ──▶ stage p−1: layers, norm, head, loss
-                                   ◀─dx──                      ◀─dx── …
+    stage 0: embedding, layers ─x─▶ stage 1: layers ─x─▶ … ─▶ stage p−1: layers, norm, head, loss
+                               ◀─dx─                  ◀─dx─
 
 With V model chunks per rank (interleaving), the L layers form p·V blocks of L/(p·V) layers and
 chunk c of rank r holds block c·p + r (Megatron: "device 1 holds layers 1, 2, 9, 10"), so a
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 modeling = import_module("01_single_gpu.model")
+process_grid = import_module("02_data_parallel.process_grid")
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
@@ -111,6 +112,26 @@ def single_device_name(name: str) -> str:
 # ======================================================================================
 # Point to point: activations forward, gradients backward
 # ======================================================================================
+def direction_groups(grid, chunks: int):
+    """{(direction, wraps): process group} with this rank's pipeline in each (collective: every rank
+    creates every pipeline's groups, in the same order).
+
+    Forward and backward messages get process groups of their own, and so does the wrap-around from
+    the last rank to the first (interleaving): NCCL runs the sends and receives between two ranks of
+    one communicator in issue order, so a send waiting for its receiver must never sit in front of a
+    receive the receiver is itself waiting to complete. Within one direction both ends issue the
+    messages in the same micro-batch order, so each channel's queue always matches."""
+    layout = process_grid.grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size)
+    pipelines = layout.permute(0, 2, 3, 1).reshape(-1, grid.pp_size).tolist()       # (dp·cp·tp, pp)
+    mine = {}
+    for key in [("F", False), ("B", False)] + ([("F", True), ("B", True)] if chunks > 1 else []):
+        for ranks in pipelines:
+            group = dist.new_group(ranks)
+            if grid.rank in ranks:
+                mine[key] = group
+    return mine
+
+
 class P2P:
     """Sends and receives of (mbs, T, C) tensors between neighbouring stages of one pipeline.
 
@@ -118,11 +139,12 @@ class P2P:
     its tensor has arrived (`dist.irecv(...).wait()`), so the schedule only fixes the order of the
     computations. Every message carries a tag naming (micro-batch, block boundary, direction): a
     schedule that received out of order would fail loudly instead of mixing micro-batches up.
-    The ring wraps (rank p−1 -> rank 0) for interleaved chunks.
+    Each travels in the process group of its direction (`direction_groups`). The ring wraps
+    (rank p−1 -> rank 0) for interleaved chunks.
     """
 
-    def __init__(self, pp_ranks, pp_rank: int, pp_group, chunks: int, shape, dtype, device):
-        self.ranks, self.rank, self.group = pp_ranks, pp_rank, pp_group
+    def __init__(self, pp_ranks, pp_rank: int, groups: dict, chunks: int, shape, dtype, device):
+        self.ranks, self.rank, self.groups = pp_ranks, pp_rank, groups
         self.p, self.chunks, self.shape, self.dtype, self.device = len(pp_ranks), chunks, shape, dtype, device
         self.pending = []                                 # (work, tensor) of unfinished sends
         self.sent = []                                    # (to pp rank, micro-batch, "F"/"B") of this step
@@ -135,30 +157,39 @@ class P2P:
 
     def send_forward(self, x, micro: int, chunk: int):
         """Activations (mbs, T, C) of block b to block b+1 (the next rank)."""
-        self._send(x, (self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 0), micro, "F")
+        self._send(x, (self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 0), micro, "F",
+                   wraps=self.rank == self.p - 1)
 
     def recv_forward(self, micro: int, chunk: int):
         """Activations (mbs, T, C) from block b−1; a leaf that will collect their gradient."""
-        x = self._recv((self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 0))
+        x = self._recv((self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 0), "F",
+                       wraps=self.rank == 0)
         return x.requires_grad_()
 
     def send_backward(self, dx, micro: int, chunk: int):
         """Gradient (mbs, T, C) w.r.t. the input of block b, to block b−1 (the previous rank)."""
-        self._send(dx, (self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 1), micro, "B")
+        self._send(dx, (self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 1), micro, "B",
+                   wraps=self.rank == 0)
 
     def recv_backward(self, micro: int, chunk: int):
         """Gradient (mbs, T, C) w.r.t. the output of block b, from block b+1."""
-        return self._recv((self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 1))
+        return self._recv((self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 1), "B",
+                          wraps=self.rank == self.p - 1)
 
-    def _send(self, tensor, to: int, tag: int, micro: int, kind: str):
+    def _send(self, tensor, to: int, tag: int, micro: int, kind: str, wraps: bool):
         tensor = tensor.detach().to(self.dtype).contiguous()
-        self.pending.append((dist.isend(tensor, self.ranks[to], group=self.group, tag=tag), tensor))
+        group = self.groups[kind, wraps]
+        self.pending.append((dist.isend(tensor, self.ranks[to], group=group, tag=tag), tensor))
         self.sent.append((to, micro, kind))
 
-    def _recv(self, source: int, tag: int):
+    def _recv(self, source: int, tag: int, kind: str, wraps: bool):
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, self.ranks[source], group=self.group, tag=tag).wait()
+        dist.irecv(buffer, self.ranks[source], group=self.groups[kind, wraps], tag=tag).wait()
         return buffer
+
+    def group_names(self) -> dict:
+        """id(group) -> name, for the communication meter."""
+        return {id(g): f"pp_{kind}" + ("_wrap" if wraps else "") for (kind, wraps), g in self.groups.items()}
 
     def finish(self):
         """Wait for every send of the step (their buffers may be freed afterwards)."""

@@ -13,10 +13,14 @@ this file turns the events of all ranks of one pipeline into
     (ZB paper §3.1: ZB-H1's bubble is (p−1)(t_F+t_B−t_W) against 1F1B's (p−1)(t_F+t_B+t_W));
   * `timeline_violations`: every pass starts after the passes it depends on ended (F of block b
     after F of block b−1, B after the B of block b+1, W after its B) and a rank runs one pass at a time;
-  * `render_png`: one row per rank, boxes coloured by micro-batch, B lighter, W hatched.
+  * `render_png`: one row per rank, boxes coloured by micro-batch, B lighter, W hatched; the executed
+    timeline above, its ideal replay below.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b --timeline 1f1b.png
 """
+from importlib import import_module
+
+Event = import_module("06_pipeline.schedules").Event
 
 
 def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:
@@ -39,42 +43,46 @@ def measured_bubble(events) -> float:
     return sum((end - start - b) / b for b in busy) / len(ranks)
 
 
-def replayed_bubble(events, p: int, chunks: int = 1) -> float:
-    """The bubble of the recorded order of passes under ideal durations (see the docstring)."""
+def replay(events, p: int, chunks: int = 1) -> list:
+    """The recorded order of passes of every rank, re-timed with ideal durations (see the docstring):
+    each pass starts when its rank is free and the passes it depends on have ended."""
     split = any(e.op == "W" for e in events)
     duration = {"F": 1 / chunks, "B": (1 if split else 2) / chunks, "W": 1 / chunks}
     queues = {r: sorted((e for e in events if e.rank == r), key=lambda e: e.start) for r in range(p)}
-    done, free, last = {}, [0.0] * p, p * chunks - 1
+    done, free, replayed = {}, [0.0] * p, []
     while any(queues.values()):
         progressed = False
         for r, queue in queues.items():
-            while queue:
-                e, b = queue[0], _block(queue[0], p)
-                needs = {"F": [("F", e.micro, b - 1)] if b > 0 else [],
-                         "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
-                         "W": [("B", e.micro, b)]}[e.op]
-                if any(n not in done for n in needs):
-                    break
-                start = max([free[r]] + [done[n] for n in needs])
-                free[r] = done[e.op, e.micro, b] = start + duration[e.op]
-                queue.pop(0)
+            while queue and all(n in done for n in _needs(queue[0], p, chunks)):
+                e = queue.pop(0)
+                start = max([free[r]] + [done[n] for n in _needs(e, p, chunks)])
+                free[r] = done[e.op, e.micro, _block(e, p)] = start + duration[e.op]
+                replayed.append(Event(e.rank, e.op, e.micro, e.chunk, start, free[r]))
                 progressed = True
         if not progressed:
             raise RuntimeError("the recorded order of passes deadlocks under its own dependencies")
-    busy = sum(duration[e.op] for e in events) / p
-    return (max(free) - busy) / busy
+    return replayed
+
+
+def replayed_bubble(events, p: int, chunks: int = 1) -> float:
+    return measured_bubble(replay(events, p, chunks))
+
+
+def _needs(e, p: int, chunks: int):
+    """(op, micro-batch, block) of the passes that must end before pass e starts."""
+    b, last = _block(e, p), p * chunks - 1
+    return {"F": [("F", e.micro, b - 1)] if b > 0 else [],
+            "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
+            "W": [("B", e.micro, b)]}[e.op]
 
 
 def timeline_violations(events, p: int, chunks: int = 1) -> list:
     """Human-readable list of broken dependencies or overlapping passes (empty when consistent)."""
     at = {(e.op, e.micro, _block(e, p)): e for e in events}
-    last, problems = p * chunks - 1, []
+    problems = []
     for e in events:
         b = _block(e, p)
-        needs = {"F": [("F", e.micro, b - 1)] if b > 0 else [],
-                 "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
-                 "W": [("B", e.micro, b)]}[e.op]
-        for n in needs:
+        for n in _needs(e, p, chunks):
             if n not in at:
                 problems.append(f"{e.op}{e.micro} on block {b} ran, but {n} never did")
             elif at[n].end > e.start:
@@ -87,31 +95,35 @@ def timeline_violations(events, p: int, chunks: int = 1) -> list:
 
 
 def render_png(events, path: str, title: str, p: int, chunks: int = 1):
-    """Draw the timeline (matplotlib, imported here: only --timeline needs it)."""
+    """Two panels: the executed timeline (wall clock) and the same order replayed with ideal pass
+    times. matplotlib is imported here: only --timeline needs it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    t0 = min(e.start for e in events)
     colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
-    fig, ax = plt.subplots(figsize=(10, 0.45 * p + 1.1), dpi=80)
-    for e in events:
-        colour = colours(e.micro % colours.N)
-        style = {"F": dict(facecolor=colour, alpha=1.0),
-                 "B": dict(facecolor=colour, alpha=0.45),                          # lighter shade
-                 "W": dict(facecolor=colour, alpha=0.8, hatch="///")}[e.op]         # hatched
-        left, width = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
-        ax.barh(p - 1 - e.rank, width, left=left, height=0.8, edgecolor="black", linewidth=0.4, **style)
-        label = f"{e.micro}" + (f"c{e.chunk}" if chunks > 1 else "")
-        ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6, clip_on=True)
-    ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
-    ax.set_xlabel("wall-clock time (ms)")
-    ax.set_title(title, fontsize=9)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 0.8 * p + 2.2), dpi=80)
+    panels = ((axes[0], events, 1e3, "executed: wall-clock time (ms)"),
+              (axes[1], replay(events, p, chunks), 1, "the same order replayed with ideal times (t_F = 1)"))
+    for ax, panel, scale, xlabel in panels:
+        t0 = min(e.start for e in panel)
+        for e in panel:
+            colour = colours(e.micro % colours.N)
+            style = {"F": dict(facecolor=colour, alpha=1.0),
+                     "B": dict(facecolor=colour, alpha=0.45),                      # lighter shade
+                     "W": dict(facecolor=colour, alpha=0.8, hatch="///")}[e.op]     # hatched
+            left, width = (e.start - t0) * scale, (e.end - e.start) * scale
+            ax.barh(p - 1 - e.rank, width, left=left, height=0.8, edgecolor="black", linewidth=0.4, **style)
+            label = f"{e.micro}" + (f"c{e.chunk}" if chunks > 1 else "")
+            ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6, clip_on=True)
+        ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+        ax.set_xlabel(xlabel, fontsize=8)
     grey = (0.5, 0.5, 0.5)
-    ax.legend(handles=[Patch(facecolor=grey, label="F"), Patch(facecolor=grey, alpha=0.45, label="B"),
-                       Patch(facecolor=grey, alpha=0.8, hatch="///", label="W")],
-              loc="upper right", fontsize=7, ncol=3, bbox_to_anchor=(1.0, 1.35))
+    fig.legend(handles=[Patch(facecolor=grey, label="F"), Patch(facecolor=grey, alpha=0.45, label="B"),
+                        Patch(facecolor=grey, alpha=0.8, hatch="///", label="W")],
+               loc="upper right", fontsize=7, ncol=3)
+    fig.suptitle(title, fontsize=9, x=0.4)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

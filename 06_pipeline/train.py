@@ -92,7 +92,7 @@ def report_timeline(args, grid, pipe):
               f"replayed {replayed:.1%} (ideal pass times), theory {theory:.1%}")
         if args.timeline:
             title = (f"{args.pp_schedule}: p={p}, m={m}" + (f", V={V}" if V > 1 else "") +
-                     f" | bubble measured {measured:.0%}, theory {theory:.0%}")
+                     f" | bubble: measured {measured:.0%}, replayed {replayed:.1%}, theory {theory:.1%}")
             timeline.render_png(events, args.timeline, title, p, V)
             print(f"timeline written to {args.timeline}")
     return events
@@ -109,7 +109,7 @@ def run(args):
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks).to(device)
     del full                                                # the other stages' layers are freed
     optimizer = base.make_optimizer(stages.parameters(), args)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, grid.pp_group, args.pp_chunks,
+    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        (args.mbs, args.seq_len, config.hidden_size), base.param_dtype(args), device)
     pipe = schedules.Pipeline(stages, p2p)
     plan = make_plan(args, grid, stages, pipe)
@@ -118,8 +118,9 @@ def run(args):
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len, element, args.recompute)
     activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)     # layers of one chunk × held
     base.print_setup(args, config, stages, optimizer, activations, plan=plan,
-                     title=f"memory of rank 0 (dp {grid.dp_size}, pp {grid.pp_size}, {held} micro-batches held)")
-    with comm.CommMeter(grid.group_names()) as meter:
+                     title=f"memory of rank 0 (dp {grid.dp_size}, pp {grid.pp_size}, "
+                           f"activations of {held} micro-batch·chunks held)")
+    with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
         records = base.train(args, stages, optimizer, plan, dataset, config)
     if plan.is_logging_rank and records:
         print(meter.table(f"communication of rank 0 over {len(records)} steps"))

@@ -90,8 +90,8 @@ def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
     return (extra + (["--num-layers", str(layers)] if layers else []), m, dtype)
 
 
-PP4 = [_flags(4, "afab", 4), _flags(4, "1f1b", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 5),
-       _flags(4, "zb-h1", 9), _flags(4, "interleaved", 8, chunks=2, layers=8), _flags(4, "interleaved", 4)]
+PP4 = [_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
+       _flags(4, "interleaved", 8, chunks=2, layers=8)]          # the command of 06's README
 PP2 = [_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2), _flags(2, "interleaved", 2, chunks=2),
        _flags(2, "interleaved", 4, chunks=2)]
 DP2_PP2 = [_flags(2, schedule, m, chunks, dp=2, dtype="float64")
