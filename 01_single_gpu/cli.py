@@ -46,6 +46,10 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     t.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation: selective recomputes only the attention core (Megatron)")
+    t.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+                   help="RMSNorm, SwiGLU, RoPE and the loss in eager PyTorch or as Triton kernels (kernels/)")
+    t.add_argument("--attn", choices=["sdpa", "eager", "triton"], default="sdpa",
+                   help="attention core: PyTorch SDPA, written-out softmax, or kernels/flash_attention.py")
 
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="stdlib",

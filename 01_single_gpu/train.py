@@ -100,6 +100,8 @@ def build_model(args, config):
     model = modeling.LlamaForCausalLM(config).to(param_dtype(args))
     if args.init_from:
         hf_io.load_hf_into(model, args.init_from)
+    if (args.kernels, args.attn) != ("torch", "sdpa"):
+        import_module("kernels.patch").apply_kernels(model, args.kernels, args.attn)
     return model
 
 
