@@ -53,6 +53,9 @@ def check_layout(args, config):
     context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
+    if args.cp > 1 and args.cp_attn == "ring" and args.attn != "sdpa":
+        raise ValueError(f"--cp-attn ring computes attention block by block itself, so --attn {args.attn} would "
+                         "be ignored: drop --attn, or use --cp-attn ulysses (which wraps the --attn core)")
     if args.cp_attn == "ulysses":
         tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
         ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp, args.cp)

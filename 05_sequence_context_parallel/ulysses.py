@@ -99,5 +99,6 @@ def check_ulysses(num_heads_local: int, num_kv_heads_local: int, cp: int):
 
 def apply_ulysses(model, layout, cp_group):
     for layer in model.model.layers:
-        layer.self_attn.attn_fn = UlyssesAttention(layout, cp_group)
+        # Wrap the layer's own core (sdpa, eager or kernels/flash_attention.py): it sees whole sequences.
+        layer.self_attn.attn_fn = UlyssesAttention(layout, cp_group, layer.self_attn.attn_fn)
     return model

@@ -237,10 +237,12 @@ SCP = "05_sequence_context_parallel.train"
 
 
 def test_sp_and_cp2_runs_equal_single_device():
+    """tp 2 + sp, cp 2 in both ring layouts, and Ulysses around the layer's own (here eager) core."""
     per_rank = run_ranks(train_layouts, 2, args=([(SCP, ["--tp", "2", "--sp"]),
                                                   (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
                                                   (SCP, ["--cp", "2", "--cp-layout", "zigzag"]),
-                                                  (SCP, ["--cp", "2", "--cp-attn", "ulysses"])],), timeout=240)
+                                                  (SCP, ["--cp", "2", "--cp-attn", "ulysses", "--attn", "eager"])],),
+                         timeout=240)
     ref = reference()
     for i, tp in enumerate([2, 1, 1, 1]):
         assert_matches_reference([r[i] for r in per_rank], ref, tp=tp)
@@ -284,3 +286,5 @@ def test_bad_layouts_fail_before_any_process_group():
         _check("--tp", "2", "--cp", "2", world=2)
     with pytest.raises(ValueError, match=r"ulysses .* cp=2 does not divide the 1 key/value heads"):
         _check("--tp", "2", "--cp", "2", "--cp-attn", "ulysses", world=4)
+    with pytest.raises(ValueError, match=r"--cp-attn ring .* --attn triton would be ignored"):
+        _check("--cp", "2", "--attn", "triton", world=2)
