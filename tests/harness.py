@@ -7,9 +7,10 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and an initialised gloo proces
 under test can call `dist.*` directly or read the environment like a `torchrun` script. A rank that
 raises makes the call fail with that rank's traceback; a rank that hangs (a mismatched collective)
 makes it fail after `timeout` seconds instead of hanging the test suite. `fn` must be importable by
-name (a module-level function), as `spawn` pickles it.
+name (a module-level function), as `spawn` pickles it. Results may hold tensors: they are copied.
 """
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -35,7 +36,9 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, queue, timeout):
         import torch
         torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe them
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-        queue.put((rank, True, fn(*args, **kwargs)))
+        # Plain pickle copies tensors into the bytes. The queue's own pickler would pass them as shared-
+        # memory handles, which die with this process, often before the parent has read them.
+        queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -62,7 +65,7 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 240.0)
                 raise RankError(f"ranks {missing} gave no result within {timeout:.0f}s (a hang? "
                                 f"collectives issued in different orders on different ranks)") from None
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 failures.append((rank, value))
                 break  # the other ranks are likely blocked in a collective with the failed one

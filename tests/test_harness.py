@@ -71,3 +71,15 @@ def test_failures_and_hangs_are_reported():
         run_ranks(fail_on_rank_one, world_size=2, timeout=30)
     with pytest.raises(RankError, match="no result within"):
         run_ranks(hang_on_rank_zero, world_size=2, timeout=8)
+
+
+def many_tensors():
+    return {f"p{i}": torch.full((256,), float(dist.get_rank() * 1000 + i)) for i in range(500)}
+
+
+def test_ranks_can_return_many_tensors():
+    """A state dict's worth of tensors comes back from every rank, even after the ranks have exited."""
+    results = run_ranks(many_tensors, world_size=2, timeout=60)
+    for rank, out in enumerate(results):
+        assert len(out) == 500
+        assert all(torch.equal(t, torch.full((256,), float(rank * 1000 + i))) for i, t in enumerate(out.values()))
