@@ -244,11 +244,12 @@ def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
 # Gradient clipping with sharded parameters
 # ======================================================================================
 @torch.no_grad()
-def clip_grad_norm_tp(params, max_norm, tp_group):
+def clip_grad_norm_tp(params, max_norm, tp_group, pp_group=None):
     """Clip by the norm of the whole model's gradient, as 01 does.
 
     ‖g‖² = Σ_tp ‖sharded part‖² + ‖replicated part‖²: the shards are disjoint pieces (summed over
-    the group), the replicated norms are equal on every rank (counted once). Returns ‖g‖.
+    the group), the replicated norms are equal on every rank (counted once). With pipeline stages
+    (08) each stage holds other layers, so the stage's ‖g‖² is summed over `pp_group` too. Returns ‖g‖.
     """
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [p.grad for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
@@ -257,7 +258,10 @@ def clip_grad_norm_tp(params, max_norm, tp_group):
     zero = torch.zeros((), dtype=dtype, device=grads[0].device)
     sharded_sq = sum((g.to(dtype).pow(2).sum() for g in sharded), zero)
     dist.all_reduce(sharded_sq, group=tp_group)                     # scalar: Σ over the tp shards
-    total = (sharded_sq + sum((g.to(dtype).pow(2).sum() for g in replicated), zero)).sqrt()
+    squares = sharded_sq + sum((g.to(dtype).pow(2).sum() for g in replicated), zero)
+    if pp_group is not None:
+        dist.all_reduce(squares, group=pp_group)                    # scalar: Σ over the stages
+    total = squares.sqrt()
     if max_norm > 0:  # the same coefficient as torch.nn.utils.clip_grad_norm_
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

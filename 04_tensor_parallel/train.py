@@ -47,10 +47,10 @@ def config_of(args):
     return cli.model_config(args, data.load_tokenizer(args.tokenizer).vocab_size)
 
 
-def check_layout(args, config, cp=1):
+def check_layout(args, config, cp=1, pp=1):
     """Every layout error, raised before `init_distributed` creates a group."""
     tensor_parallel.check_tensor_parallel(config, args.tp)
-    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, cp=cp, tp=args.tp)
+    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, pp=pp, cp=cp, tp=args.tp)
 
 
 def make_plan(args, grid, model, forward_backward=base.forward_backward, before_averaging=()):

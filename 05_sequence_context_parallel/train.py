@@ -48,8 +48,8 @@ def build_parser(description):
     return p
 
 
-def check_layout(args, config):
-    """Every layout error, raised before any process group exists."""
+def check_layout(args, config, pp=1):
+    """Every layout error, raised before any process group exists (pp: 08's pipeline stages, for the world size)."""
     context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
@@ -59,7 +59,7 @@ def check_layout(args, config):
     if args.cp_attn == "ulysses":
         tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
         ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp, args.cp)
-    tp_train.check_layout(args, config, cp=args.cp)   # the model's divisibility, then the world size
+    tp_train.check_layout(args, config, cp=args.cp, pp=pp)   # the model's divisibility, then the world size
 
 
 def context_parallel_forward_backward(layout, cp_rank):

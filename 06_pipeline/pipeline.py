@@ -76,6 +76,9 @@ class PipelineStage(nn.Module):
         super().__init__()
         self.config = full.config
         self.is_first, self.is_last = is_first, is_last
+        # (T,) positions of the tokens this rank holds, for RoPE; None: 0 … T−1 of its input. Context
+        # parallelism (08) sets its shard's; under sequence parallelism x holds only T/tp of them.
+        self.position_ids = None
         self.model = nn.Module()
         if is_first:
             self.model.embed_tokens = full.model.embed_tokens
@@ -87,7 +90,7 @@ class PipelineStage(nn.Module):
         """x: token ids (B, T) on the first chunk, else activations (B, T, C); returns (B, T, C) or the loss."""
         if self.is_first:
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
-        positions = torch.arange(x.shape[1], device=x.device)
+        positions = self.position_ids if self.position_ids is not None else torch.arange(x.shape[1], device=x.device)
         cos, sin = modeling.rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)                                            # (B, T, C)
@@ -102,6 +105,14 @@ def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1) -> nn.Module
     return nn.ModuleList(PipelineStage(full, layers, is_first=pp_rank == 0 and c == 0,
                                        is_last=pp_rank == pp_size - 1 and c == chunks - 1)
                          for c, layers in enumerate(blocks))
+
+
+def boundary_shape(mbs: int, seq_len: int, hidden_size: int, cp: int = 1, tp: int = 1, sp: bool = False):
+    """Shape of the activations (and gradients) sent between stages: (mbs, T, C) alone; (mbs, T/cp, C)
+    under context parallelism; (mbs, T/(cp·tp), C) under sequence parallelism, where the residual stream
+    between blocks is sharded along the sequence. Plain TP sends the full (replicated) stream from each
+    tp rank to its peer of the next stage (Megatron's scatter/gather optimisation is not done)."""
+    return (mbs, seq_len // cp // (tp if sp else 1), hidden_size)
 
 
 def single_device_name(name: str) -> str:

@@ -37,14 +37,20 @@ schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 
 
-def build_parser():
-    p = cli.core_parser(__doc__.splitlines()[0])
-    g = p.add_argument_group("parallelism (--grad-acc is the number of micro-batches m)")
+def add_pipeline_arguments(parser):
+    """--pp, --pp-schedule, --pp-chunks, --timeline (also 08's); returns the argument group."""
+    g = parser.add_argument_group("pipeline parallelism (--grad-acc is the number of micro-batches m)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks per pipeline)")
     g.add_argument("--pp-schedule", choices=pipeline.SCHEDULES, default="1f1b")
     g.add_argument("--pp-chunks", type=int, default=1, help="model chunks per rank (V, interleaved schedule)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that split the global batch")
     g.add_argument("--timeline", metavar="PATH.png", help="draw the last step's executed timeline (needs matplotlib)")
+    return g
+
+
+def build_parser():
+    p = cli.core_parser(__doc__.splitlines()[0])
+    g = add_pipeline_arguments(p)
+    g.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that split the global batch")
     return p
 
 
@@ -109,8 +115,9 @@ def run(args):
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks).to(device)
     del full                                                # the other stages' layers are freed
     optimizer = base.make_optimizer(stages.parameters(), args)
+    shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       (args.mbs, args.seq_len, config.hidden_size), base.param_dtype(args), device)
+                       shape, base.param_dtype(args), device)
     pipe = schedules.Pipeline(stages, p2p)
     plan = make_plan(args, grid, stages, pipe)
     element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
