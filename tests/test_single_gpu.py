@@ -216,3 +216,26 @@ def test_local_text_and_jsonl_sources(tmp_path):
     assert tok.decode(jsonl[0]["input_ids"]).startswith("document 0")
     with pytest.raises(ValueError, match="pass --text-column"):
         data.build_dataset(str(tmp_path / "b.jsonl"), tok, 7, cache_dir=tmp_path / "cache")
+
+
+def test_parquet_source_and_local_hf_tokenizer(tmp_path):
+    """An HF tokenizer saved in a local directory (built here, offline) and a .parquet file, end to end
+    through train.run: the vocabulary comes from the tokenizer and the windows decode to the text.
+    (pandas writes the parquet file; it comes with `datasets`.)"""
+    import pandas
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(30)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    text = " ".join(f"w{i % 30}" for i in range(400))
+    pandas.DataFrame({"text": [text, text]}).to_parquet(tmp_path / "docs.parquet")
+    tok = data.load_tokenizer(str(tmp_path / "tok"))
+    windows = data.build_dataset(str(tmp_path / "docs.parquet"), tok, 7, cache_dir=tmp_path / "cache")
+    assert tok.vocab_size == 32 and tok.eos_token_id == 0
+    assert list(windows[0]["input_ids"]) == [2, 3, 4, 5, 6, 7, 8, 9] and tok.decode(windows[0]["input_ids"][:2]) == "w0 w1"
+    args = train.cli.parse_args(train.cli.core_parser("t"), common.argv(steps=2, mbs=2) + [
+        "--dataset", str(tmp_path / "docs.parquet"), "--tokenizer", str(tmp_path / "tok")])
+    records, model = train.run(args)
+    assert model.config.vocab_size == 64 and len(records) == 2   # 32 rounded up to a multiple of 64 and all(r["loss"] > 0 for r in records)
