@@ -20,9 +20,11 @@ Tolerances:
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before anything imports
 Triton). The shapes are tiny because the interpreter is slow. On a CUDA machine they are compiled.
 """
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -299,3 +301,43 @@ def test_train_with_triton_kernels_reproduces_torch_losses():
     assert state_triton.keys() == state_torch.keys()   # same parameter names: checkpoints interchange
     for name, p in state_torch.items():
         torch.testing.assert_close(state_triton[name], p, atol=1e-3, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
+    """The benchmark's own logic (every kernel × implementation × pass, the rate arithmetic, the
+    markdown and JSON writers) run through once on tiny float32 shapes, with the kernels in the
+    interpreter and a wall-clock timer in place of CUDA events. This checks the script, not the speed:
+    the numbers go to a temporary directory, never to kernels/results/. On a GPU, `python
+    kernels/bench.py` runs the same code with the real timer and shapes."""
+    import argparse
+    bench = import_module("kernels.bench")
+    monkeypatch.setattr(bench, "DEVICE", DEVICE)
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "ROW_SHAPES", [(20, 256, 48)])          # hd 128 RoPE needs C ≥ 128
+    monkeypatch.setattr(bench, "ATTN_SHAPES", [(1, 2, 1, 20, 16)])
+    monkeypatch.setattr(bench, "CE_SHAPES", [(12, 32, 96)])
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+
+    def wall_clock_ms(fn):
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    peaks = {"matmul_bf16_tflops": 1.0, "copy_gbps": 1.0}
+    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks)
+    expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
+        | {("rope", i) for i in ("eager", "triton")} | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
+        | {("linear+cross-entropy", i) for i in ("eager", "triton")}
+    assert {(r["kernel"], r["impl"]) for r in rows} == expected
+    assert len(rows) == 2 * len(expected)                                 # fwd and fwd+bwd each
+    failed = [bench.format_row(r) for r in rows if r["ms"] is None]
+    assert not failed, failed
+    for r in (r for r in rows if r["ms"] is not None):
+        assert r["rate"] > 0 and r["of_peak"] == pytest.approx(r["rate"] / 1.0)
+    assert [m["impl"] for m in memory] == ["eager", "triton"]             # CUDA memory stats: n/a on CPU
+    bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__, triton=triton.__version__,
+                             cuda=None, date="-"), peaks, rows, memory)
+    text = (tmp_path / "cpu-interpreter-check.md").read_text()
+    assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
+    assert len(json.loads((tmp_path / "cpu-interpreter-check.json").read_text())["rows"]) == len(rows)
