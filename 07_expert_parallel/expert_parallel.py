@@ -1,0 +1,154 @@
+"""Expert parallelism: each rank keeps E/ep experts; tokens travel to their experts by all-to-all.
+
+Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all"), seed digest EP-2..EP-4;
+GShard (Lepikhin et al. 2020), DeepSpeed-MoE, Megatron-core's all-to-all token dispatcher. EP is
+carved out of data parallelism (02's process grid, "EP as a sub-case of DP", EP-4): the dp ranks
+form dp/ep blocks of ep consecutive ranks (`ep_group`); rank r of a block owns experts
+[r·E/ep, (r+1)·E/ep) and reads its own slice of the batch, so attention and the router never run
+redundantly. In each MoE layer, after the router has sorted a rank's rows (token-choices) by expert:
+
+    counts   (ep, E/ep) rows for each rank's experts --all-to-all--> rows each rank sends to mine
+    dispatch rows (n, C) --all-to-all (uneven)--> (Σ received, C); the local experts run on them
+    combine  outputs --the reverse all-to-all--> (n, C) back on the token's rank, weighted there
+
+`AllToAll` is one autograd Function: forward exchanges with the given splits, backward sends the
+gradients back with the splits swapped, so dispatch's backward is a combine and vice versa.
+
+Communication per rank, per MoE layer and micro-batch, in bytes (comm.py's all-to-all convention:
+the bytes a rank sends to the others), with s_out = this rank's rows routed to experts on other
+ranks, s_in = the other ranks' rows routed to this rank's experts, b bytes per element:
+    forward   dispatch s_out·C·b + combine s_in·C·b + counts 8·(ep−1)·E/ep
+    backward  combine⁻¹ s_out·C·b + dispatch⁻¹ s_in·C·b
+    total     2·(s_out + s_in)·C·b + 8·(ep−1)·E/ep  ≈ 4·N·k·C·b·(ep−1)/ep when routing is uniform
+(the cheat-sheet's "× num_layers, fwd: all2all activations, bwd: all2all grads"; 5 calls).
+Overlap with the expert compute (§4.2), balanced load: t_comm = 2·N·k·C·b·(ep−1)/(ep·bw) per
+direction, t_compute = 2·N·k·3·C·F/flops, so t_comm/t_compute = (ep−1)·b·flops/(3·ep·F·bw); with
+F = 4C and bw in elements/s, (ep−1)·flops/(12·ep·C·bw). The cheat-sheet writes num_experts where ep
+stands: the two agree only at one expert per rank (dropless top-k computes N·k rows per rank
+whatever E is).
+
+Memory per rank: expert parameters, gradients and AdamW states are 1/ep of the model's; the rest
+is replicated as in DP. Gradients (the loss is L = (1/dp)·Σ_r L_r, the mean of the ranks' means):
+    dense weights   ∇L = mean over the dp group of ∇L_r                   (02's average_gradients)
+    expert weights  backward through the all-to-alls already gives the owner Σ_{r in ep group} ∇L_r;
+                    the dp/ep replicas (`expert_dp_group`) hold disjoint ep groups' sums, so
+                    ∇L = (1/dp)·Σ_{expert_dp} — a sum, then 1/dp (not 1/(dp/ep), the group's size)
+Errata: the cheat-sheet's "BP"/"ep: context parallelism" mean expert parallelism (E2); DeepSeek-V3
+trains with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP, without TP (E3).
+
+API: check_expert_parallel(num_experts, ep, dp) before any process group; apply_expert_parallel
+(model, grid) after moe.apply_moe; make_finish_gradients and clip_grad_norm_ep for the TrainPlan.
+
+    torchrun --nproc_per_node 4 07_expert_parallel/train.py --dp 4 --ep 2 --num-experts 4
+
+New compared with moe.py: the experts are sharded and the rows move; routing and maths are equal.
+Shape legend (moe.py): C hidden, E experts, n rows (token-choices) of this rank, ep group size.
+"""
+import functools
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+moe = import_module("07_expert_parallel.moe")
+data_parallel = import_module("02_data_parallel.data_parallel")
+
+
+# ======================================================================================
+# The all-to-all, forward and backward
+# ======================================================================================
+def all_to_all_rows(x, output_splits, input_splits, group):
+    """x (Σ input_splits, …): input_splits[j] rows go to rank j -> (Σ output_splits, …), by source."""
+    out = x.new_empty(sum(output_splits), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits,
+                           input_split_sizes=input_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Forward: all_to_all_rows with (output_splits, input_splits); backward: the same exchange
+    reversed (splits swapped), which returns every row's gradient to the rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return all_to_all_rows(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return all_to_all_rows(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def expert_parallel_experts(experts, rows, counts, group):
+    """The MoE block's experts_fn under EP: rows (n, C) grouped by expert, counts (E,) -> (n, C)."""
+    ep = dist.get_world_size(group)
+    send_counts = counts.view(ep, -1)                                      # (ep, E/ep): rows for rank j's experts
+    recv_counts = all_to_all_rows(send_counts, [1] * ep, [1] * ep, group)   # (ep, E/ep): rows from rank j for mine
+    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    received = AllToAll.apply(rows, recv_splits, send_splits, group)        # (Σ recv, C): by source, then expert
+    local = torch.arange(recv_counts.shape[1], device=rows.device)
+    expert_of_row = local.repeat(ep).repeat_interleave(recv_counts.flatten())   # (Σ recv,) local expert index
+    order = expert_of_row.argsort(stable=True)                             # group the sources' rows by expert
+    out = moe.run_experts(experts, received[order], recv_counts.sum(0))     # (Σ recv, C)
+    out = out[order.argsort()]                                             # back to (source, expert) order
+    return AllToAll.apply(out, send_splits, recv_splits, group)            # combine: (n, C)
+
+
+# ======================================================================================
+# Sharding the experts, and the gradients
+# ======================================================================================
+def check_expert_parallel(num_experts: int, ep: int, dp: int):
+    """Layout errors, raised before any process group exists."""
+    if ep < 1:
+        raise ValueError(f"--ep must be at least 1, got {ep}")
+    if num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide num_experts={num_experts}: every rank holds "
+                         f"num_experts/ep whole experts; choose --ep among the divisors of {num_experts}")
+    if dp % ep:
+        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel "
+                         f"ranks; use --dp {ep * max(1, dp // ep)} or another --ep")
+
+
+def shard_experts(block, ep_rank: int, ep_size: int, ep_group):
+    """Keep experts [ep_rank·E/ep, (ep_rank+1)·E/ep) of one MoE block, under their global names, and
+    route its rows by all-to-all over `ep_group`. The full, identically seeded block must exist."""
+    per_rank = block.num_experts // ep_size
+    mine = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+    block.experts = torch.nn.ModuleDict({str(e): block.experts[str(e)] for e in mine})
+    block.experts_fn = functools.partial(expert_parallel_experts, group=ep_group)
+    return block
+
+
+def apply_expert_parallel(model, grid):
+    """shard_experts on every MoE block of the model (after moe.apply_moe), over the grid's ep group."""
+    for block in moe.moe_blocks(model):
+        shard_experts(block, grid.ep_rank, grid.ep_size, grid.ep_group)
+    return model
+
+
+def make_finish_gradients(model, grid):
+    """The TrainPlan's finish_gradients: dense weights averaged over dp, expert weights summed over
+    expert_dp and divided by dp (the derivation in the module docstring)."""
+    dense, experts = moe.split_parameters(model)
+
+    def finish_gradients():
+        data_parallel.average_gradients(dense, grid.dp_group)
+        if dist.get_world_size(grid.expert_dp_group) > 1:
+            for p in experts:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
+        for p in experts:
+            p.grad.div_(grid.dp_size)
+    return finish_gradients
+
+
+def clip_grad_norm_ep(params, max_norm, expert_params, ep_group):
+    """torch's clip_grad_norm_ on the whole model: ‖g‖² = ‖dense‖² + Σ_ep ‖this rank's experts‖²."""
+    expert_ids = {id(p) for p in expert_params}
+    dense_norm = torch.nn.utils.get_total_norm([p.grad for p in params
+                                                 if p.grad is not None and id(p) not in expert_ids])
+    expert_sq = torch.nn.utils.get_total_norm([p.grad for p in expert_params]).pow(2)
+    dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=ep_group)        # (): Σ over the ep group's experts
+    total = (dense_norm.pow(2) + expert_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
+    return total

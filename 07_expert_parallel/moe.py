@@ -1,0 +1,168 @@
+"""Mixture of experts: the MLP of every decoder layer replaced by E SwiGLU experts and a router.
+
+Playbook §2.7 (EP-1 in the seed digest; Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
+al. 2021 §2.2; DeepSeek-V3 §2.1.2). For each token x (C,):
+
+    p = softmax(x · Wgᵀ)                 (E,)   router probabilities (`mlp.gate`), in float32
+    S = top-k indices of p               the k experts this token is sent to
+    w_e = p_e / Σ_{j∈S} p_j              Mixtral renormalises the k chosen probabilities to sum to 1
+    y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP: down(silu(gate(x)) · up(x))
+
+Dropless: every token reaches its k experts whatever the load (no capacity factor, no dropped
+tokens), so the layer is an exact function of its input and any split of the batch gives the same
+numbers. Each token costs k expert MLPs, so the active parameters per token are those of the dense
+model plus (k−1)·3·C·F + C·E per layer, while the stored ones grow by (E−1)·3·C·F + C·E per layer.
+
+Load balancing (Switch's auxiliary loss, `--aux-loss-coef` α), per sequence of T tokens:
+    f_i = (1/(T·k)) · #{choices of the sequence routed to i}     P_i = (1/T) · Σ_t p_i(t)
+    aux = E · Σ_i f_i · P_i          (1 when perfectly balanced; gradients flow through P only)
+and the optimised loss is cross-entropy + α · Σ_layers mean_over_sequences(aux). The statistics are
+per sequence (DeepSeek-V3's "sequence-wise balance loss") on purpose: a batch-wide f and P would
+depend on which sequences share a micro-batch, so data parallelism or gradient accumulation would
+change the loss unless f and P were all-reduced over ranks and micro-batches (impossible across
+micro-batches whose backward has already run). Per sequence, the mean over the global batch is the
+same however it is split: every micro-batch holds whole sequences and the same number of them.
+(Context parallelism would split a sequence; its f and P would then need a sum over cp.)
+
+API (used by 07's train.py and available to 08):
+    apply_moe(model, num_experts, top_k, aux_loss_coef, seed, upcycle=False) -> list of MoE blocks
+    split_parameters(model) -> (dense params, expert params)
+An MoE block's `experts_fn(experts, rows, counts)` computes the experts on rows grouped by expert;
+expert_parallel.py swaps it for the all-to-all version. Parameter names follow Mixtral/OLMoE:
+`model.layers.{l}.mlp.gate.weight`, `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+
+    python 07_expert_parallel/train.py --num-experts 4 --top-k 2        # the single-device MoE
+
+New compared with 01: only the MLP; attention, norms, the loop and the optimizer are unchanged.
+Shape legend: B batch, T sequence, C hidden, F expert intermediate size, E experts, k top-k,
+N = B·T tokens, n rows (token-choices) = N·k.
+"""
+from importlib import import_module
+
+import torch
+from torch import nn
+
+modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
+
+
+def run_experts(experts, rows, counts):
+    """rows (n, C) grouped by expert, counts[e] rows for the e-th expert of the ModuleDict -> (n, C).
+
+    Every expert is called, even on zero rows, so each has a (possibly zero) gradient on every rank
+    and the gradient all-reduces line up.
+    """
+    chunks = rows.split(counts.tolist())                                   # E × (counts[e], C)
+    return torch.cat([expert(chunk) for expert, chunk in zip(experts.values(), chunks)])
+
+
+def load_balancing_loss(probs, chosen):
+    """Per-sequence E·Σ_i f_i·P_i, averaged over sequences. probs (B, T, E), chosen (B, T, k) -> ()."""
+    B, T, E = probs.shape
+    k = chosen.shape[-1]
+    ones = probs.new_ones(B, T * k)
+    routed = probs.new_zeros(B, E).scatter_add_(1, chosen.view(B, T * k), ones)   # (B, E) choices per expert
+    f = routed / (T * k)                                                     # (B, E), rows sum to 1
+    P = probs.mean(dim=1)                                                    # (B, E)
+    return E * (f * P).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """Router + E experts; a drop-in for a DecoderLayer's `mlp` (input and output (B, T, C))."""
+
+    def __init__(self, config, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)    # the router
+        # A dict keyed by the global expert index: under EP a rank keeps a few, under their global names.
+        self.experts = nn.ModuleDict({str(e): modeling.MLP(config) for e in range(num_experts)})
+        self.experts_fn = run_experts                                      # EP swaps in the all-to-all
+        self.aux_loss = None                                                 # set by every forward
+
+    @property
+    def act_fn(self):  # kernels/patch.py assigns layers[i].mlp.act_fn: it is every expert's SwiGLU
+        return next(iter(self.experts.values())).act_fn
+
+    @act_fn.setter
+    def act_fn(self, fn):
+        for expert in self.experts.values():
+            expert.act_fn = fn
+
+    def forward(self, x):  # (B, T, C)
+        B, T, C = x.shape
+        logits = self.gate(x)                                                # (B, T, E)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # bf16 -> fp32
+        top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
+        weights = top_p / top_p.sum(dim=-1, keepdim=True)                    # (B, T, k), Σ_k = 1
+        self.aux_loss = load_balancing_loss(probs, chosen)
+        expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
+        order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
+        counts = expert_of_row.bincount(minlength=self.num_experts)          # (E,)
+        rows = x.reshape(B * T, C)[order // self.top_k]                      # (n, C): each row's token
+        out = self.experts_fn(self.experts, rows, counts)                    # (n, C), grouped by expert
+        out = out[order.argsort()].view(B, T, self.top_k, C)                 # (B, T, k, C), token order
+        return (weights.to(out.dtype).unsqueeze(-1) * out).sum(dim=2)        # (B, T, C)
+
+
+def moe_blocks(model):
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+
+
+def split_parameters(model):
+    """(dense parameters, expert parameters): they are synchronised over different groups."""
+    experts = [p for block in moe_blocks(model) for p in block.experts.parameters()]
+    expert_ids = {id(p) for p in experts}
+    return [p for p in model.parameters() if id(p) not in expert_ids], experts
+
+
+def add_aux_loss(model, aux_loss_coef: float):
+    """Make model(x, labels=y) return cross-entropy + α·Σ_layers aux (a forward hook, so it holds
+    whatever `loss_fn` the model uses: fused, vocab-parallel, ...)."""
+    blocks = moe_blocks(model)
+
+    def hook(module, args, output):
+        if output.dim() != 0 or aux_loss_coef == 0:   # logits (B, T, V) when no labels were given
+            return output
+        return output + aux_loss_coef * sum(block.aux_loss for block in blocks)
+    return model.register_forward_hook(hook)
+
+
+@torch.no_grad()
+def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: int, upcycle: bool = False):
+    """Replace every layers[i].mlp of a LlamaForCausalLM by an MoE block, in place; returns the blocks.
+
+    Weights are drawn from a generator seeded with `seed` (normal(0, initializer_range), as the 01
+    model), in a fixed order, on every rank alike: one rank and many build the same E experts, and
+    expert parallelism then keeps a slice. `upcycle=True` (sparse upcycling, Komatsuzaki et al.
+    2022) copies the layer's trained MLP into every expert instead, so the block starts as exactly
+    that MLP (the k weights sum to 1); used with --init-from a dense checkpoint.
+    The experts inherit the MLP's act_fn (--kernels triton).
+    """
+    check_moe(num_experts, top_k, aux_loss_coef)
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        dense = layer.mlp
+        weight = dense.gate_proj.weight
+        with torch.device("meta"):                   # allocate without touching the global RNG
+            block = MoE(config, num_experts, top_k)
+        block = block.to_empty(device=weight.device).to(weight.dtype)
+        for name, p in block.named_parameters():
+            if upcycle and name.startswith("experts."):
+                p.copy_(dense.get_parameter(name.split(".", 2)[2]))
+            else:
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, config.initializer_range,
+                                                                     generator=generator))
+        block.act_fn = dense.act_fn
+        layer.mlp = block
+    add_aux_loss(model, aux_loss_coef)
+    return moe_blocks(model)
+
+
+def check_moe(num_experts: int, top_k: int, aux_loss_coef: float):
+    if num_experts < 1:
+        raise ValueError(f"--num-experts must be at least 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"--top-k {top_k} must be between 1 and --num-experts {num_experts} "
+                         f"(each token picks k different experts)")
+    if aux_loss_coef < 0:
+        raise ValueError(f"--aux-loss-coef must be non-negative, got {aux_loss_coef}")

@@ -1,0 +1,243 @@
+"""07_expert_parallel: the MoE block, its expert-parallel twin, and whole EP × DP runs against one device.
+
+In-process: the MoE block equals the per-token sum Σ_{e∈top-k} w_e·expert_e(x) written out, an
+upcycled block equals the dense MLP, the aux loss is per sequence (a batch gives the mean of its
+sequences' values) and 1 when balanced, the seeded build is the same twice, and bad layouts fail
+before any process group. float64 there: only summation order differs, so 1e-12.
+
+Layer twin (gloo, float64, ep 2 and ep 4): each rank feeds its own batch (rank r: r+1 sequences,
+one expert never chosen, so some splits are 0) to the EP block; outputs and input gradients equal
+the dense block's on that batch, each owner's expert gradients equal the dense block's on all the
+ranks' batches, the router's summed over ranks likewise (1e-12). The all-to-all bytes each rank
+sent, forward and backward apart, equal 2·(s_out + s_in)·C·8 + 8·(ep−1)·E/ep split as the docstring
+says, with s_out, s_in counted here from the router's own top-k.
+
+Whole runs (float32, 3 AdamW steps, global batch 8 = reference mbs 4 × grad-acc 2): dp 2 ep 2
+(mbs 2, grad-acc 2), dp 4 ep 4 (mbs 2) and dp 4 ep 2 (expert_dp 2; mbs 1, grad-acc 2) give the
+single-device MoE run's losses (atol 1e-5) and final parameters (rtol/atol 2e-5): the experts'
+matmuls and the all-reduces sum the same rows in other orders (float32 ε ≈ 1.2e-7), and AdamW's
+m/(√v + ε) turns that rounding on near-zero gradients into updates of up to ~lr·1e-3 = 3e-6 per
+step; a wrong scaling (1/(dp/ep) instead of 1/dp) or a lost row moves them by ~lr. Also: expert
+bytes per rank = 1/ep of the model's, 5 all-to-alls per layer and micro-batch, their bytes against
+the formula from the routing counts each layer really used, and the expert all-reduce only over
+expert_dp.
+"""
+import copy
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+from harness import run_ranks
+
+modeling = import_module("01_single_gpu.model")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+moe = import_module("07_expert_parallel.moe")
+expert_parallel = import_module("07_expert_parallel.expert_parallel")
+train07 = import_module("07_expert_parallel.train")
+
+EXACT = dict(rtol=1e-12, atol=1e-12)
+PARAMS = dict(rtol=2e-5, atol=2e-5)
+E, K = 4, 2
+MOE = ["--num-experts", E, "--top-k", K, "--aux-loss-coef", 0.1]
+LAYER = modeling.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+
+
+def dense_block(seed=0):
+    """A float64 MoE block whose last expert is never chosen (router logit ≈ −50 for every input)."""
+    torch.manual_seed(seed)
+    block = moe.MoE(LAYER, E, K).double()
+    with torch.no_grad():
+        block.gate.weight[-1].zero_()
+        block.gate.weight[-1, 0] = -10.0
+    return block
+
+
+def layer_inputs(world, T=5):
+    """Rank r's input (r+1, T, C) with feature 0 = 5, and an output gradient, the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(r + 1, T, LAYER.hidden_size, generator=g, dtype=torch.float64) for r in range(world)]
+    for x in xs:
+        x[..., 0] = 5.0
+    return xs, [torch.randn(x.shape, generator=g, dtype=torch.float64) for x in xs]
+
+
+# ======================================================================================
+# In-process: the MoE block, the aux loss, the build, the errors
+# ======================================================================================
+def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
+    block = dense_block()
+    x = layer_inputs(2)[0][1]                                                 # (2, 5, C)
+    probs = block.gate(x).softmax(-1)                                         # (2, 5, E)
+    top_p, top_e = probs.topk(K, dim=-1)
+    expected = torch.zeros_like(x)
+    for b, t in ((b, t) for b in range(x.shape[0]) for t in range(x.shape[1])):
+        for p, e in zip(top_p[b, t] / top_p[b, t].sum(), top_e[b, t]):
+            expected[b, t] += p * block.experts[str(int(e))](x[b, t])
+    torch.testing.assert_close(block(x), expected, **EXACT)
+    assert (top_e != E - 1).all()                                             # the starved expert
+
+    per_sequence = []
+    for i in range(2):
+        block(x[i:i + 1])
+        per_sequence.append(block.aux_loss)
+    block(x)
+    torch.testing.assert_close(block.aux_loss, sum(per_sequence) / 2, **EXACT)   # mean over sequences
+    uniform = torch.full((1, 4, E), 1 / E, dtype=torch.float64)
+    balanced = torch.tensor([[[0, 1], [2, 3], [1, 0], [3, 2]]])               # every expert chosen twice
+    assert moe.load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
+
+    dense = modeling.LlamaForCausalLM(LAYER).double()
+    upcycled = copy.deepcopy(dense)
+    moe.apply_moe(upcycled, E, K, aux_loss_coef=0.0, seed=1, upcycle=True)
+    ids = torch.randint(0, 64, (2, 6))
+    torch.testing.assert_close(upcycled(ids), dense(ids), **EXACT)            # Σ_k w = 1, equal experts
+
+    a, b = (moe.apply_moe(copy.deepcopy(dense), E, K, 0.01, seed=3) for _ in range(2))
+    for block_a, block_b in zip(a, b):
+        for (name, p), q in zip(block_a.named_parameters(), block_b.parameters()):
+            assert torch.equal(p, q), name
+    assert "experts.3.down_proj.weight" in dict(a[0].named_parameters())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ep", 3], "ep=3 does not divide num_experts=4"),
+    (["--num-experts", 6, "--dp", 4, "--ep", 3], "ep=3 does not divide dp=4"),
+    (["--top-k", 5], "--top-k 5 must be between 1 and --num-experts 4"),
+    (["--num-experts", 0], "--num-experts must be at least 1"),
+    (["--aux-loss-coef", -1], "--aux-loss-coef must be non-negative"),
+    (["--dp", 2, "--ep", 2], "launch with --nproc_per_node 2"),
+])
+def test_bad_layouts_fail_before_any_process_group(monkeypatch, capsys, flags, message):
+    import torch.distributed as dist
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = common.argv(*MOE, *flags)
+    with pytest.raises(SystemExit):
+        train07.dp_train.parse_and_check(argv, "test", train07.build_parser, train07.check_layout)
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+# ======================================================================================
+# On gloo ranks: the layer twin and whole runs
+# ======================================================================================
+def _layer_twin(ep):
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = process_grid.build_process_grid(dp=world, ep=ep)
+    xs, gs = layer_inputs(world)
+    dense = dense_block()
+    x_all = torch.cat(xs).requires_grad_()
+    (dense(x_all) * torch.cat(gs)).sum().backward()
+    block = expert_parallel.shard_experts(dense_block(), grid.ep_rank, ep, grid.ep_group)
+    x = xs[rank].clone().requires_grad_()
+    with comm.CommMeter(grid.group_names()) as forward:
+        y = block(x)
+    with comm.CommMeter(grid.group_names()) as backward:
+        (y * gs[rank]).sum().backward()
+    mine = slice(sum(len(x) for x in xs[:rank]), sum(len(x) for x in xs[:rank + 1]))
+    torch.testing.assert_close(y, dense(xs[rank]), **EXACT)
+    torch.testing.assert_close(x.grad, x_all.grad[mine], **EXACT)
+    for name, p in block.experts.named_parameters():
+        torch.testing.assert_close(p.grad, dense.experts.get_parameter(name).grad, **EXACT, msg=name)
+    dist.all_reduce(block.gate.weight.grad, group=grid.ep_group)              # each rank: its tokens only
+    if ep == world:
+        torch.testing.assert_close(block.gate.weight.grad, dense.gate.weight.grad, **EXACT)
+
+    # The bytes: every rank's rows per owner, from the router's own top-k (not from the EP code).
+    ep_ranks = [r for r in range(world) if r // ep == rank // ep]
+    with torch.no_grad():
+        owner = [dense.gate(x).topk(K, dim=-1).indices // (E // ep) for x in xs]   # (B_r, T, k) per rank
+    s_out = int((owner[rank] != grid.ep_rank).sum())
+    s_in = sum(int((owner[r] == grid.ep_rank).sum()) for r in ep_ranks if r != rank)
+    rows = (s_out + s_in) * LAYER.hidden_size * 8
+    assert forward.wire == {("all_to_all", "ep"): rows + 8 * (ep - 1) * E // ep}
+    assert backward.wire == {("all_to_all", "ep"): rows}
+    assert forward.calls == {("all_to_all", "ep"): 3} and backward.calls == {("all_to_all", "ep"): 2}
+    return s_out, s_in
+
+
+def _whole_runs(runs):
+    """Each (flags, mbs, grad_acc) in turn in the same processes; routing counts recorded per call."""
+    import torch.distributed as dist
+    routed = []                                          # (E,) rows per expert of every EP layer call
+    original = expert_parallel.expert_parallel_experts
+
+    def recording(experts, rows, counts, group):
+        routed.append(counts.clone())
+        return original(experts, rows, counts, group)
+    expert_parallel.expert_parallel_experts = recording   # in this spawned process only
+    out = []
+    for flags, mbs, grad_acc in runs:
+        routed.clear()
+        args = train07.dp_train.parse_and_check(common.argv(*MOE, *flags, mbs=mbs, grad_acc=grad_acc), "test",
+                                                train07.build_parser, train07.check_layout)
+        records, model, meter = train07.run(args)
+        counts = torch.stack(routed)                                          # (calls, E)
+        gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, counts)                                     # every rank's routing, after the meter
+        dense, experts = moe.split_parameters(model)
+        out.append(dict(losses=[r["loss"] for r in records], wire=dict(meter.wire), calls=dict(meter.calls),
+                        state={k: v.detach().clone() for k, v in model.state_dict().items()},
+                        counts=torch.stack(gathered), expert_bytes=[p.numel() * 4 for p in experts],
+                        dense_bytes=[p.numel() * 4 for p in dense]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-device MoE run (plain 07 train.py, no process group) of the global batch 8."""
+    args = train07.dp_train.parse_and_check(common.argv(*MOE, mbs=4, grad_acc=2), "test",
+                                            train07.build_parser, train07.check_layout)
+    records, model, _ = train07.run(args)
+    _, experts = moe.split_parameters(model)
+    return [r["loss"] for r in records], {k: v.detach().clone() for k, v in model.state_dict().items()}, \
+        sum(p.numel() * 4 for p in experts)
+
+
+def check_run(got, ref, dp, ep, grad_acc, steps=3):
+    ref_losses, ref_state, ref_expert_bytes = ref
+    world = len(got)
+    for rank, run in enumerate(got):
+        torch.testing.assert_close(run["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"rank {rank}")
+        assert set(run["state"]) < set(ref_state)                             # a subset, under the same names
+        for name, value in run["state"].items():
+            torch.testing.assert_close(value, ref_state[name], **PARAMS, msg=f"rank {rank} {name}")
+        assert sum(run["expert_bytes"]) * ep == ref_expert_bytes              # experts: 1/ep per rank
+        layers, C = 4, int(common.TINY[common.TINY.index("--hidden-size") + 1])
+        calls = steps * grad_acc * layers
+        assert run["calls"][("all_to_all", "ep")] == 5 * calls
+        counts = run["counts"].view(world, calls, ep, E // ep).sum(-1)        # (source, call, owner) rows
+        ep_rank, block = rank % ep, range(rank - rank % ep, rank - rank % ep + ep)
+        s_out = counts[rank].sum() - counts[rank, :, ep_rank].sum()
+        s_in = sum(counts[r, :, ep_rank].sum() for r in block if r != rank)
+        assert run["wire"][("all_to_all", "ep")] == 2 * (s_out + s_in) * C * 4 + calls * 8 * (ep - 1) * E // ep
+        x = dp // ep                                                          # expert_dp replicas
+        expected = steps * sum(2 * (x - 1) * b // x for b in run["expert_bytes"]) if x > 1 else None
+        assert run["wire"].get(("all_reduce", "expert_dp")) == expected
+        assert run["wire"][("all_reduce", "dp")] == steps * (sum(2 * (dp - 1) * b // dp for b in run["dense_bytes"])
+                                                             + 2 * (dp - 1) * 4 // dp)
+
+
+def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(reference):
+    (twin, got) = zip(*run_ranks(_spawn_two, 2))
+    assert sum(s_out for s_out, _ in twin) == sum(s_in for _, s_in in twin) > 0
+    check_run([runs[0] for runs in got], reference, dp=2, ep=2, grad_acc=2)
+
+
+def _spawn_two():
+    return _layer_twin(2), _whole_runs([(["--dp", 2, "--ep", 2], 2, 2)])
+
+
+def _spawn_four():
+    return _layer_twin(4), _whole_runs([(["--dp", 4, "--ep", 4], 2, 1), (["--dp", 4, "--ep", 2], 1, 2)])
+
+
+def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(reference):
+    (twin, got) = zip(*run_ranks(_spawn_four, 4))
+    assert sum(s_out for s_out, _ in twin) == sum(s_in for _, s_in in twin) > 0
+    check_run([runs[0] for runs in got], reference, dp=4, ep=4, grad_acc=1)
+    check_run([runs[1] for runs in got], reference, dp=4, ep=2, grad_acc=2)
