@@ -5,8 +5,9 @@ upcycled block equals the dense MLP, the aux loss is per sequence (a batch gives
 sequences' values) and 1 when balanced, the seeded build is the same twice, and bad layouts fail
 before any process group. float64 there: only summation order differs, so 1e-12.
 
-Layer twin (gloo, float64, ep 2 and ep 4): each rank feeds its own batch (rank r: r+1 sequences,
-one expert never chosen, so some splits are 0) to the EP block; outputs and input gradients equal
+Layer twin (gloo, float64, ep 2 and ep 4): each rank feeds its own batch (rank r: r+1 sequences;
+the last expert is never chosen, so at ep 4 its owner receives no rows at all: splits of 0 and an
+expert run on an empty batch) to the EP block; outputs and input gradients equal
 the dense block's on that batch, each owner's expert gradients equal the dense block's on all the
 ranks' batches, the router's summed over ranks likewise (1e-12). The all-to-all bytes each rank
 sent, forward and backward apart, equal 2·(s_out + s_in)·C·8 + 8·(ep−1)·E/ep split as the docstring
@@ -101,6 +102,22 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
         for (name, p), q in zip(block_a.named_parameters(), block_b.parameters()):
             assert torch.equal(p, q), name
     assert "experts.3.down_proj.weight" in dict(a[0].named_parameters())
+
+
+def test_aux_loss_gradient_survives_full_recompute():
+    """The aux loss leaves the checkpointed layer as a side output: the gradients must not change."""
+    recompute = import_module("01_single_gpu.recompute")
+    torch.manual_seed(0)
+    models = [modeling.LlamaForCausalLM(LAYER).double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(0, 64, (2, 6))
+    for model, mode in zip(models, ("none", "full")):
+        moe.apply_moe(model, E, K, aux_loss_coef=0.5, seed=1)
+        recompute.apply_recompute(model, mode)
+        model(ids, labels=ids).backward()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **EXACT, msg=name)
+    assert models[1].model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -239,5 +256,6 @@ def _spawn_four():
 def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(reference):
     (twin, got) = zip(*run_ranks(_spawn_four, 4))
     assert sum(s_out for s_out, _ in twin) == sum(s_in for _, s_in in twin) > 0
+    assert twin[3][1] == 0                                                    # the starved expert's owner
     check_run([runs[0] for runs in got], reference, dp=4, ep=4, grad_acc=1)
     check_run([runs[1] for runs in got], reference, dp=4, ep=2, grad_acc=2)
