@@ -16,7 +16,8 @@ gradients back with the splits swapped, so dispatch's backward is a combine and 
 
 Communication per rank, per MoE layer and micro-batch, in bytes (comm.py's all-to-all convention:
 the bytes a rank sends to the others), with s_out = this rank's rows routed to experts on other
-ranks, s_in = the other ranks' rows routed to this rank's experts, b bytes per element:
+ranks, s_in = the other ranks' rows routed to this rank's experts, b bytes per element (2 under
+bf16 autocast: moe.py casts the rows before they leave, as the experts' matmuls would):
     forward   dispatch s_out·C·b + combine s_in·C·b + counts 8·(ep−1)·E/ep
     backward  combine⁻¹ s_out·C·b + dispatch⁻¹ s_in·C·b
     total     2·(s_out + s_in)·C·b + 8·(ep−1)·E/ep  ≈ 4·N·k·C·b·(ep−1)/ep when routing is uniform

@@ -98,6 +98,8 @@ class MoE(nn.Module):
         order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
         counts = expert_of_row.bincount(minlength=self.num_experts)          # (E,)
         rows = x.reshape(B * T, C)[order // self.top_k]                      # (n, C): each row's token
+        if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls would cast anyway: cast
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))   # before EP ships them (bf16 bytes)
         out = self.experts_fn(self.experts, rows, counts)                    # (n, C), grouped by expert
         out = out[order.argsort()].view(B, T, self.top_k, C)                 # (B, T, k, C), token order
         return (weights.to(out.dtype).unsqueeze(-1) * out).sum(dim=2)        # (B, T, C)
