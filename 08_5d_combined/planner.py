@@ -1,0 +1,289 @@
+"""The playbook's chapter-3 arithmetic as a tool: memory, communication, bubble and overlap of a layout.
+
+Playbook chapter 3 (finding the best configuration), App. 5.3 and its cheat-sheet (overlap ratios),
+ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (communication), the ZB paper
+§3.1 (bubble). Give it the model (the train.py flags), the batch and the degrees; it prints per rank
+(per pipeline stage: the first holds the embedding, the last the head and the loss):
+
+  memory (GB = 1e9 bytes)  Ψ = this rank's parameters (TP shards, its pp stage's layers, ep's experts);
+                           N = dp·cp ranks hold the same weights (ZeRO shards over them, N/ep for experts)
+      --precision mixed  2Ψ bf16 weights + 2Ψ bf16 gradients + 12Ψ fp32 master, m, v: the ZeRO paper's
+                         16 B/param (K = 12). The cheat-sheet's 18 B adds fp32 gradients (E8): not used.
+      --precision fp32   4Ψ + 4Ψ + 8Ψ: what this project's float32 runs hold (train.py measures it);
+                         fp64 doubles it (the --dtype float64 runs of the tests)
+      ZeRO-1 shards the optimizer states over N, ZeRO-2 the gradients too, ZeRO-3 the weights too.
+      activations: 01's memory.activation_bytes_estimate (Korthikanti: none s·b·h·(34 + 5as/h), TP
+      s·b·h·(10 + 24/t + 5as/(ht)), TP+SP s·b·h·(34 + 5as/h)/t, selective 34·s·b·h[/t], full 2·s·b·h;
+      s → s/cp), for one chunk's layers × the micro-batch·chunks the schedule holds (06's peak_held),
+      plus the last stage's fp32 softmax of the vocab-parallel loss, b·(s/cp)·(V/t)·4 per held micro-batch.
+  communication per step (bytes this rank sends, 02's ring convention; e = bytes per element, m = grad-acc,
+  s_r = s/cp tokens per rank, L_r = layers on the rank, first/last = 1 on that stage):
+      tp  m·(8·L_r + 2·first + 2·last)·(t−1)/t·b·s_r·h·e            (04/05: f/f̄ or g/ḡ, same bytes)
+          + m·last·3·2(t−1)/t·b·s_r·4 (loss statistics) + SP's norm gradients 2(t−1)/t·(2h·L_r + h·last)·e
+          + full recompute: the forward's half again; ZB-H1 under SP: ḡ's all-gather again in the
+          W of o_proj and down_proj, m·2·L_r·(t−1)/t·b·s_r·h·e
+      cp  ring: m·L_r·(3cp − 2 [+ cp − 1 recomputed])·2·b·s_r·(h_kv/t)·max(e, 4)   (05, fp32 blocks)
+          ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
+      pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
+      dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
+      ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (dispatch + combine all-to-alls, forward and backward)
+      (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
+  bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
+  overlap t_comm/t_compute (seed digest §4.2; ≤ 1 means the communication can hide behind compute),
+  peak in FLOP/s, bandwidth in bytes/s, so each ratio carries e:
+      dp    e·(N−1)/(2·N·tokens)·peak/bw    tokens = b·s_r (the last micro-batch's backward: no_sync)
+            E6: the playbook's num_params/(2·num_tokens)·… is dimensionally wrong; num_params cancels
+      zero3 e·(N−1)/N/(2·b·s_r)·peak/bw
+      tp    e·(t−1)/(2h)·peak/bw            E9: the appendix's per-linear form (the cheat-sheet's
+                                            (t−1)/(24h) overlaps a whole block, 12× more compute)
+      pp    e·peak/(32·h·L_chunk·bw)
+      cp    e·cp·h_kv/(2·s·h)·peak/bw       one K/V block hop against one block of attention tiles
+      ep    (ep−1)·peak/(12·E·h·bw)         the cheat-sheet's form, as the seed gives it
+  A dimension uses --bw-intra if its group fits inside a node (--gpus-per-node; rank order [TP, CP, PP, DP])
+  else --bw-inter. Layouts are checked with the trainers' own rules; --gpu-mem flags what does not fit.
+
+    python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 \\
+        --pp 2 --zero-stage 1 --recompute selective --gpu-mem 80 --peak-tflops 989 --bw-intra 450 --bw-inter 50
+"""
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+
+import contextlib
+import os
+from dataclasses import dataclass
+from importlib import import_module
+from types import SimpleNamespace
+
+base = import_module("01_single_gpu.train")
+memory = base.memory
+pipeline = import_module("06_pipeline.pipeline")
+schedules = import_module("06_pipeline.schedules")
+timeline = import_module("06_pipeline.timeline")
+combined = import_module("08_5d_combined.train")
+
+STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}   # weights, gradients, optimizer
+ACTIVATION_BYTES = {"mixed": 2, "fp32": 4, "fp64": 8}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    cp_attn: str = "ring"
+    pp: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    ep: int = 1
+    num_experts: int = 0       # 0: dense MLPs
+    top_k: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    precision: str = "mixed"
+
+
+def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed"):
+    """(weights, gradients, optimizer) bytes of `params` parameters with ZeRO over n ranks (ZeRO §5.1)."""
+    w, g, o = STATE_BYTES[precision]
+    return (w * params / (n if zero_stage >= 3 else 1), g * params / (n if zero_stage >= 2 else 1),
+            o * params / (n if zero_stage >= 1 else 1))
+
+
+def stage_parameters(config, layout: Layout, stage: int):
+    """(dense, expert) parameters a rank of pipeline stage `stage` holds: exactly what the trainers build."""
+    h, f, V, t = config.hidden_size, config.intermediate_size, config.vocab_size, layout.tp
+    h_kv = config.num_key_value_heads * config.head_dim
+    layers = config.num_hidden_layers // layout.pp                           # L_r, over its V chunks
+    attention = (2 * h * h + 2 * h * h_kv) // t                              # q, o (C, C/t); k, v (C, C_kv/t)
+    mlp = 3 * h * f // t
+    dense = layers * (attention + 2 * h)                                     # + the two replicated norms
+    expert = 0
+    if layout.num_experts:
+        dense += layers * h * layout.num_experts                             # the router, replicated
+        expert = layers * mlp * layout.num_experts // layout.ep
+    else:
+        dense += layers * mlp
+    first, last = stage == 0, stage == layout.pp - 1
+    dense += first * V * h // t + last * (h + (0 if config.tie_word_embeddings and first else V * h // t))
+    return dense, expert
+
+
+def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, stage: int) -> dict:
+    """Bytes per rank of `stage`: weights, gradients, optimizer states, activations, logits."""
+    dense, expert = stage_parameters(config, layout, stage)
+    n = layout.dp * layout.cp
+    states = [a + b for a, b in zip(model_states(dense, n, layout.zero_stage, layout.precision),
+                                    model_states(expert, max(n // layout.ep, 1), layout.zero_stage, layout.precision))]
+    e = ACTIVATION_BYTES[layout.precision]
+    chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                            num_hidden_layers=config.num_hidden_layers // (layout.pp * layout.chunks))
+    held = schedules.peak_held(layout.schedule, layout.pp, stage, grad_acc, layout.chunks)
+    activations = held * memory.activation_bytes_estimate(chunk, mbs, seq_len, e, layout.recompute,
+                                                          tp=layout.tp, sp=layout.sp, cp=layout.cp)
+    last_held = schedules.peak_held(layout.schedule, layout.pp, layout.pp - 1, grad_acc, layout.chunks)
+    logits = (stage == layout.pp - 1) * last_held * mbs * seq_len // layout.cp * config.vocab_size // layout.tp * 4
+    return dict(parameters=states[0], gradients=states[1], optimizer=states[2], activations=activations,
+                logits=logits, held=held)
+
+
+def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, stage: int) -> dict:
+    """Bytes a rank of `stage` sends per step, per dimension (see the module docstring)."""
+    h, t, cp, p, V = config.hidden_size, layout.tp, layout.cp, layout.pp, layout.chunks
+    h_kv = config.num_key_value_heads * config.head_dim
+    e = ACTIVATION_BYTES[layout.precision]
+    first, last = stage == 0, stage == p - 1
+    layers = config.num_hidden_layers // p
+    tokens = mbs * seq_len // cp                                             # b·s_r
+    ring = lambda n, k: 2 * (n - 1) * k // n                                 # all-reduce wire bytes  # noqa: E731
+    norm_bytes = max(STATE_BYTES[layout.precision][1], 4)                    # ‖g‖² in fp32, or fp64
+    scalar = lambda n: ring(n, norm_bytes)                                   # the gradient-norm squares  # noqa: E731
+    comm = {}
+    # --- tensor parallelism (+ SP) ---
+    passes = 8 * layers + 2 * first + 2 * last
+    if layout.recompute == "full":
+        passes += 4 * layers                                                 # the forward's collectives again
+    if layout.sp and layout.schedule == "zb-h1":
+        # W goes back from o_proj's / down_proj's output through ḡ's all-gather, which B already ran to
+        # reach the chunk input (the embedding's runs once: B stops at its output, nothing is below it)
+        passes += 2 * layers
+    tp = m * passes * ((t - 1) * tokens * h * e // t)
+    tp += m * last * 3 * ring(t, tokens * 4)
+    if layout.sp:
+        tp += ring(t, (2 * h * layers + h * last) * e)
+    comm["tp"] = tp + scalar(t) if t > 1 else 0
+    # --- context parallelism ---
+    if cp > 1 and layout.cp_attn == "ring":
+        hops = 3 * cp - 2 + (cp - 1) * (layout.recompute != "none")
+        comm["cp"] = m * layers * hops * 2 * tokens * (h_kv // t) * max(e, 4)
+    elif cp > 1:
+        comm["cp"] = m * layers * (2 + (layout.recompute != "none")) * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
+    else:
+        comm["cp"] = 0
+    # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
+    boundary = tokens // (t if layout.sp else 1) * h * e
+    comm["pp"] = m * (2 * V - first - last) * boundary + ((p - 1) * 8 // p + scalar(p) if p > 1 else 0)
+    # --- data parallelism over the cp×dp ranks that hold the same weights ---
+    n = layout.dp * cp
+    dense, expert = stage_parameters(config, layout, stage)
+    grads = dense * STATE_BYTES[layout.precision][1]
+    factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
+    comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) if n > 1 else 0   # + the logged loss (float64)
+    # --- expert parallelism ---
+    comm["ep"] = m * layers * 4 * (layout.ep - 1) * tokens * h * layout.top_k * e // layout.ep if layout.num_experts else 0
+    return comm
+
+
+def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: float, bw: dict) -> dict:
+    """t_comm/t_compute per dimension (seed digest §4.2, E6 and E9 as in the module docstring)."""
+    h, e = config.hidden_size, ACTIVATION_BYTES[layout.precision]
+    h_kv = config.num_key_value_heads * config.head_dim
+    n, tokens = layout.dp * layout.cp, mbs * seq_len // layout.cp
+    ratios = {}
+    if n > 1:
+        key = "zero3" if layout.zero_stage == 3 else "dp"
+        ratios[key] = e * (n - 1) / n / (2 * tokens) * peak_flops / bw["dp"]
+    if layout.tp > 1:
+        ratios["tp"] = e * (layout.tp - 1) / (2 * h) * peak_flops / bw["tp"]
+    if layout.pp > 1:
+        chunk_layers = config.num_hidden_layers // (layout.pp * layout.chunks)
+        ratios["pp"] = e * peak_flops / (32 * h * chunk_layers * bw["pp"])
+    if layout.cp > 1:
+        ratios["cp"] = e * layout.cp * h_kv / (2 * seq_len * h) * peak_flops / bw["cp"]
+    if layout.num_experts and layout.ep > 1:
+        ratios["ep"] = (layout.ep - 1) * peak_flops / (12 * layout.num_experts * h * bw["ep"])
+    return ratios
+
+
+def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -> dict:
+    """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one."""
+    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.pp}
+    span["dp"] = span["pp"] * layout.dp
+    span["ep"] = span["pp"] * layout.ep                                      # ep: consecutive dp ranks
+    return {dim: intra if s <= gpus_per_node else inter for dim, s in span.items()}
+
+
+def build_parser():
+    p = combined.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
+    g = p.add_argument_group("planner")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (carved out of dp)")
+    g.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
+    g.add_argument("--top-k", type=int, default=1, help="experts per token")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
+    g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
+    g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")
+    g.add_argument("--bw-intra", type=float, help="GB/s (bus bandwidth) inside a node")
+    g.add_argument("--bw-inter", type=float, help="GB/s (bus bandwidth) across nodes")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    return p
+
+
+def layout_of(args) -> Layout:
+    return Layout(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, cp_attn=args.cp_attn, pp=args.pp,
+                  schedule=args.pp_schedule, chunks=args.pp_chunks, ep=args.ep, num_experts=args.num_experts,
+                  top_k=args.top_k, zero_stage=args.zero_stage, recompute=args.recompute, precision=args.precision)
+
+
+@contextlib.contextmanager
+def world_size(n: int):
+    """The trainers check the degrees against WORLD_SIZE (torchrun's); the planner's world is their product."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = base.cli.parse_args(parser, argv)
+    config = combined.tp_train.config_of(args)
+    layout = layout_of(args)
+    world = args.dp * args.pp * args.cp * args.tp
+    try:   # the trainers' own rules, for the world size the degrees ask for
+        with world_size(world):
+            combined.check_layout(args, config)
+        combined.process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
+    except ValueError as error:
+        parser.error(str(error))
+    m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
+    total = sum(stage_parameters(config, Layout(num_experts=args.num_experts), 0))   # the whole model, one rank
+    print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
+          f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
+          f"({'+'.join(map(str, STATE_BYTES[args.precision]))} bytes/param)")
+    print(f"model: {total / 1e9:.3f}B parameters, h {config.hidden_size}, L {config.num_hidden_layers}, "
+          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, ffn {config.intermediate_size}, "
+          f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")
+    mem = {s: stage_memory(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+    com = {s: stage_communication(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+    header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
+    print(f"\nper rank (GB = 1e9 bytes)" + header)
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits"):
+        print(f"  {key:<24}" + "".join(f"{mem[s][key] / 1e9:>14.3f}" for s in stages))
+    totals = {s: sum(v for k, v in mem[s].items() if k != "held") for s in stages}
+    print(f"  {'total':<24}" + "".join(f"{totals[s] / 1e9:>14.3f}" for s in stages))
+    if args.gpu_mem:
+        print(f"  {'fits in ' + format(args.gpu_mem, 'g') + ' GB':<24}" +
+              "".join(f"{'yes' if totals[s] <= args.gpu_mem * 1e9 else 'DOES NOT FIT':>14}" for s in stages))
+    print("communication sent per rank per step (GB)")
+    for dim in ("tp", "cp", "pp", "dp", "ep"):
+        print(f"  {dim:<24}" + "".join(f"{com[s][dim] / 1e9:>14.4f}" for s in stages))
+    if args.pp > 1:
+        print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
+              f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")
+    if args.peak_tflops and args.bw_intra and args.bw_inter:
+        bw = bandwidths(layout, args.gpus_per_node, args.bw_intra * 1e9, args.bw_inter * 1e9)
+        ratios = overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
+        print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
+        for dim, r in ratios.items():
+            where = "intra" if bw[dim[:2]] == args.bw_intra * 1e9 else "inter"
+            print(f"  {dim:<8}{r:>10.3f}  ({where}-node){'  EXPOSED' if r > 1 else ''}")
+    else:
+        print("overlap ratios: give --peak-tflops, --bw-intra and --bw-inter (GB/s)")
+    return mem, com
+
+
+if __name__ == "__main__":
+    main()

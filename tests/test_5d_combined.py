@@ -1,0 +1,251 @@
+"""08_5d_combined: whole 4D runs against 01, the planner against the seed's numbers and the code's.
+
+Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
+step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
+global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
+    8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2
+    4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
+             tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter)
+Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
+for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
+gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
+(~1e-7 relative: the first step's norms agree to 1e-7), which AdamW's first updates (≈ lr·g/|g|,
+lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps are computed on those
+parameters and are the most sensitive number (cp2 × pp2: 1.1e-5 relative at step 2): 5e-5 relative.
+The Triton layout is compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
+1e-3 (parameters): the kernels reorder float32 reductions themselves. The cp2 × pp2 layout with 3
+micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
+1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
+visible step); in float64 everything agrees to 1e-8.
+
+Layout: Llama 3's 16-rank grid (seed digest C-2) from 02's pure layout function and 06's pipelines;
+every bad layout stops with the earlier folders' messages before any process group exists.
+
+Planner: (a) the seed's anchors (seed digest §2.6: ZeRO's 7.5B example, the Korthikanti activations of
+GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
+each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
+CommMeter equal the planner's numbers for its stage, exactly.
+"""
+import io
+import os
+from contextlib import redirect_stdout
+from importlib import import_module
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kernels/ is imported, here and in the spawned ranks
+
+import common
+from harness import run_ranks
+from test_tensor_parallel import LOSS, PARAMS, reference, shard_like
+
+modeling = import_module("01_single_gpu.model")
+process_grid = import_module("02_data_parallel.process_grid")
+pipeline = import_module("06_pipeline.pipeline")
+timeline = import_module("06_pipeline.timeline")
+combined = import_module("08_5d_combined.train")
+planner = import_module("08_5d_combined.planner")
+
+STEPS = 2
+GROUPS = {"tp": {"tp"}, "cp": {"cp"}, "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap"}, "dp": {"cp_dp"}}
+
+
+NORMS = dict(rtol=5e-5, atol=0)
+
+
+FLOAT64 = (dict(rtol=1e-10, atol=0), dict(rtol=1e-10, atol=0), dict(rtol=0, atol=1e-8))
+
+
+def _flags(*extra, mbs=2, grad_acc=2, dtype="float32"):
+    tolerance = FLOAT64 if dtype == "float64" else (LOSS, NORMS, PARAMS)
+    if "triton" in extra:
+        tolerance = (dict(rtol=0, atol=1e-4), dict(rtol=0, atol=1e-4), dict(rtol=0, atol=1e-3))
+    return (list(map(str, extra)), mbs, grad_acc, dtype, tolerance)
+
+
+def _train(flag_sets):
+    """On every rank: 08's run() per flag set; losses, norms, its parameters, its measured bytes."""
+    results = []
+    for extra, mbs, grad_acc, dtype, _ in flag_sets:
+        args = combined.base.cli.parse_args(combined.build_parser(),
+                                            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
+        config = combined.tp_train.config_of(args)
+        combined.check_layout(args, config)
+        records, stages, pipe, everyone = combined.run(args, config)
+        mine = everyone[torch.distributed.get_rank()]
+        sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
+                for dim, groups in GROUPS.items()}
+        results.append(dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                            coords=mine["coords"], states=mine["states"], sent=sent,
+                            state={pipeline.single_device_name(k): v.detach().numpy().copy()   # numpy: pickled
+                                   for k, v in stages.state_dict().items()}))                   # by value
+    return results
+
+
+def _check(flag_sets, per_rank):
+    for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
+        precision = {"float32": "fp32", "float64": "fp64"}[dtype]
+        args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
+        layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
+        ref_losses, ref_norms, ref_state = reference(steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype)
+        covered = set()
+        for rank, runs in enumerate(per_rank):
+            run, what = runs[i], f"{' '.join(extra)}, rank {rank}"
+            torch.testing.assert_close(run["losses"], ref_losses, **loss_tol, msg=what)
+            torch.testing.assert_close(run["norms"], ref_norms, **norm_tol, msg=what)
+            _, pp_rank, _, tp_rank = run["coords"]
+            for name, local in run["state"].items():
+                local = torch.from_numpy(local)
+                torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
+                                           msg=lambda m: f"{what} {name}: {m}")
+                covered.add(name)
+            # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
+            memory = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+            params, _, optimizer = run["states"]
+            assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
+            sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+            assert run["sent"] == {dim: STEPS * sent[dim] for dim in GROUPS}, what
+        assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
+
+
+EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b"),
+               _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule", "zb-h1",
+                      mbs=4),
+               _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule",
+                      "interleaved", "--pp-chunks", 2, mbs=4)]
+FOUR_RANKS = [_flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2, "--recompute", "selective", mbs=4, grad_acc=3,
+                     dtype="float64"),
+              _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2, "--pp-schedule", "afab", mbs=4),
+              _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton")]
+
+
+@pytest.mark.timeout(300)
+def test_eight_rank_layouts_match_single_device_and_planner():
+    _check(EIGHT_RANKS, run_ranks(_train, 8, args=(EIGHT_RANKS,), timeout=280))
+
+
+@pytest.mark.timeout(300)
+def test_four_rank_layouts_match_single_device_and_planner():
+    _check(FOUR_RANKS, run_ranks(_train, 4, args=(FOUR_RANKS,), timeout=280))
+
+
+# ======================================================================================
+# The grid and the errors, without processes
+# ======================================================================================
+def test_llama3_sixteen_rank_groups():
+    """[PB] §4.1, Llama 3 Fig. 5: 16 GPUs, every degree 2: GPU 0 shares TP with 1, CP with 2, PP with 4,
+    DP with 8 (02's grid, the groups build_process_grid creates, and 06's pipelines for p2p)."""
+    grid = process_grid.grid_layout(16, dp=2, pp=2, cp=2, tp=2)
+    groups = {name: process_grid._groups_along(grid, dims) for name, dims in
+              (("dp", (0,)), ("pp", (1,)), ("cp", (2,)), ("tp", (3,)), ("cp_dp", (0, 2)))}
+    assert [0, 1] in groups["tp"] and [0, 2] in groups["cp"] and [0, 4] in groups["pp"] and [0, 8] in groups["dp"]
+    assert [0, 2, 8, 10] in groups["cp_dp"]           # the ranks whose dense gradients are averaged
+    for name, lists in groups.items():                # each dimension partitions the 16 ranks
+        assert sorted(r for ranks in lists for r in ranks) == list(range(16)), name
+    pipelines = grid.permute(0, 2, 3, 1).reshape(-1, 2).tolist()     # what pipeline.direction_groups builds
+    assert sorted(pipelines) == sorted(groups["pp"])
+    assert planner.bandwidths(planner.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
+        dict(tp="intra", cp="intra", pp="intra", dp="inter", ep="intra")   # 8 GPUs a node: only DP crosses
+
+
+def _check_layout(*flags, world):
+    args = combined.base.cli.parse_args(combined.build_parser(), common.argv(*flags))
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        combined.check_layout(args, combined.tp_train.config_of(args))
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (("--dp", 2, "--tp", 2, "--pp", 2), 4, r"dp·pp·cp·tp = 2·2·1·2 = 8 does not equal the world size 4"),
+    (("--pp", 3), 3, r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"),
+    (("--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--grad-acc", 3), 2, r"multiple of pp=2, got 3"),
+    (("--pp", 2, "--tie-embeddings"), 2, r"--tie-embeddings with --pp > 1"),
+    (("--pp", 2, "--pp-schedule", "zb-h1", "--recompute", "full"), 2, r"zb-h1 .* full recomputation"),
+    (("--tp", 3, "--pp", 2), 6, r"tp=3 does not divide num_attention_heads=4"),
+    (("--tp", 4, "--pp", 2), 8, r"tp=4 does not divide num_key_value_heads=2"),
+    (("--sp", "--pp", 2), 2, r"--sp .* needs --tp 2 or more"),
+    (("--cp", 4, "--seq-len", 36, "--pp", 2), 8, r"seq_len=36 is not divisible by 8 \(2·cp chunks"),
+    (("--tp", 2, "--sp", "--cp", 4, "--cp-layout", "contiguous", "--seq-len", 12, "--pp", 2), 16,
+     r"tp=2 does not divide the sequence each rank holds \(3 tokens"),
+    (("--cp", 2, "--attn", "triton", "--pp", 2), 4, r"--cp-attn ring .* --attn triton would be ignored"),
+])
+def test_bad_layouts_fail_before_any_process_group(flags, world, message):
+    with pytest.raises(ValueError, match=message):
+        _check_layout(*flags, world=world)
+
+
+def test_main_exits_with_the_message_and_no_process_group(capsys):
+    with pytest.raises(SystemExit):
+        combined.main(common.argv("--dp", 2, "--tp", 2, "--pp", 2))       # world size 1 here
+    assert "does not equal the world size 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        planner.main(common.argv("--tp", 3))                               # the planner uses the same rules
+    assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+# ======================================================================================
+# The planner against the seed's numbers
+# ======================================================================================
+def test_planner_zero_paper_example():
+    """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (seed digest §2.6.4)."""
+    gb = [sum(planner.model_states(7.5e9, 64, stage)) / 1e9 for stage in range(4)]
+    assert gb == pytest.approx([120.0, 31.41, 16.64, 1.875], abs=0.01)
+    assert sum(planner.model_states(7.5e9, 64, 0, "fp32")) == 16 * 7.5e9     # 4 + 4 + 8: this project's fp32
+
+
+def gpt3_layer_activations(tp=1, sp=False, recompute="none"):
+    """One GPT-3 layer (s 2048, h 12288, a 96, b 1) through the planner, in bytes (16-bit)."""
+    config = modeling.LlamaConfig(vocab_size=51200, hidden_size=12288, intermediate_size=4 * 12288,
+                                  num_hidden_layers=1, num_attention_heads=96, num_key_value_heads=96)
+    layout = planner.Layout(tp=tp, sp=sp, recompute=recompute, precision="mixed")
+    return planner.stage_memory(config, layout, seq_len=2048, mbs=1, grad_acc=1, stage=0)["activations"]
+
+
+def test_planner_korthikanti_activations():
+    """Seed digest §2.6.5: sbh(34 + 5as/h) = 2.869 GB; with t = 8: TP 579 MB, TP+SP 359 MB, TP+SP+selective
+    34·sbh/t = 106.95 MB; full recomputation 2sbh = 50.3 MB."""
+    assert gpt3_layer_activations() / 1e9 == pytest.approx(2.869, abs=5e-4)
+    assert gpt3_layer_activations(tp=8) / 1e6 == pytest.approx(579, abs=0.5)
+    assert gpt3_layer_activations(tp=8, sp=True) / 1e6 == pytest.approx(359, abs=0.5)
+    assert gpt3_layer_activations(tp=8, sp=True, recompute="selective") / 1e6 == pytest.approx(106.95, abs=0.01)
+    assert gpt3_layer_activations(recompute="full") / 1e6 == pytest.approx(50.3, abs=0.05)
+
+
+def test_planner_bubble_table_p8():
+    """Seed digest §2.6.9: (p−1)/(m·v) for p = 8, and the planner prints it."""
+    table = {(1, 1): 7.0, (8, 1): 0.875, (8, 2): 0.4375, (16, 1): 0.4375, (32, 1): 0.219, (32, 2): 0.109,
+             (32, 4): 0.0547, (64, 1): 0.109}
+    for (m, v), bubble in table.items():
+        schedule = "interleaved" if v > 1 else "1f1b"
+        assert timeline.theory_bubble(schedule, 8, m, v) == pytest.approx(bubble, abs=5e-4), (m, v)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        planner.main(common.argv("--pp", 8, "--num-layers", 16, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                 "--grad-acc", 32))
+    assert "pipeline bubble (interleaved, p=8, m=32, V=2): 10.94% of useful time" in out.getvalue()
+
+
+def test_planner_overlap_ratios_follow_their_derivations():
+    """E6: the DP ratio is t_comm/t_compute with the whole gradient (2Ψe(N−1)/N over bw) against the
+    backward of one micro-batch (4·tokens·Ψ FLOPs): Ψ cancels. E9: TP uses the appendix's (t−1)/(2h)."""
+    config = modeling.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                  num_attention_heads=32, num_key_value_heads=4)
+    layout = planner.Layout(dp=4, tp=2, pp=2, cp=2, precision="mixed")
+    peak, bw = 1e15, dict(dp=5e10, tp=4e11, pp=5e10, cp=4e11)
+    ratios = planner.overlap_ratios(config, layout, seq_len=4096, mbs=1, peak_flops=peak, bw=bw)
+    psi, n, tokens = 1.0e9, 8, 4096 // 2
+    t_comm, t_compute = 2 * psi * 2 * (n - 1) / n / bw["dp"], 4 * tokens * psi / peak
+    assert ratios["dp"] == pytest.approx(t_comm / t_compute)
+    assert ratios["tp"] == pytest.approx(2 * (2 - 1) / (2 * 2048) * peak / bw["tp"])
+    assert ratios["pp"] == pytest.approx(2 * peak / (32 * 2048 * 11 * bw["pp"]))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        planner.main(["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "16", "--dp", "64", "--tp", "2",
+                      "--gpu-mem", "1", "--peak-tflops", "1000", "--bw-intra", "400", "--bw-inter", "50"])
+    text = out.getvalue()
+    assert "DOES NOT FIT" in text and "EXPOSED" in text
