@@ -5,7 +5,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
 §3.1 (bubble). Give it the model (the train.py flags), the batch and the degrees; it prints per rank
 (per pipeline stage: the first holds the embedding, the last the head and the loss):
 
-  memory (GB = 1e9 bytes)  Ψ = this rank's parameters (TP shards, its pp stage's layers, ep's experts);
+  memory (GB = 1e9 bytes; MB = 1e6 for small models)
+                           Ψ = this rank's parameters (TP shards, its pp stage's layers, ep's experts);
                            N = dp·cp ranks hold the same weights (ZeRO shards over them, N/ep for experts)
       --precision mixed  2Ψ bf16 weights + 2Ψ bf16 gradients + 12Ψ fp32 master, m, v: the ZeRO paper's
                          16 B/param (K = 12). The cheat-sheet's 18 B adds fp32 gradients (E8): not used.
@@ -26,7 +27,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
           ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
       pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
       dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
-      ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (dispatch + combine all-to-alls, forward and backward)
+      ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (07's dispatch + combine all-to-alls, forward and backward,
+          for balanced routing; experts held E/ep per rank, each split by tp as Megatron's expert TP)
       (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
   bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
   overlap t_comm/t_compute (seed digest §4.2; ≤ 1 means the communication can hide behind compute),
@@ -158,7 +160,8 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
         hops = 3 * cp - 2 + (cp - 1) * (layout.recompute != "none")
         comm["cp"] = m * layers * hops * 2 * tokens * (h_kv // t) * max(e, 4)
     elif cp > 1:
-        comm["cp"] = m * layers * (2 + (layout.recompute != "none")) * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
+        passes = 2 + (layout.recompute != "none")                            # 4 all-to-alls each
+        comm["cp"] = m * layers * passes * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
     else:
         comm["cp"] = 0
     # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
@@ -171,7 +174,8 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
     comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) if n > 1 else 0   # + the logged loss (float64)
     # --- expert parallelism ---
-    comm["ep"] = m * layers * 4 * (layout.ep - 1) * tokens * h * layout.top_k * e // layout.ep if layout.num_experts else 0
+    routed = tokens * h * layout.top_k * e                                   # b·s_r·h·k·e bytes of rows
+    comm["ep"] = m * layers * 4 * (layout.ep - 1) * routed // layout.ep if layout.num_experts else 0
     return comm
 
 
@@ -258,18 +262,19 @@ def main(argv=None):
           f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")
     mem = {s: stage_memory(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
     com = {s: stage_communication(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
-    header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
-    print(f"\nper rank (GB = 1e9 bytes)" + header)
-    for key in ("parameters", "gradients", "optimizer", "activations", "logits"):
-        print(f"  {key:<24}" + "".join(f"{mem[s][key] / 1e9:>14.3f}" for s in stages))
     totals = {s: sum(v for k, v in mem[s].items() if k != "held") for s in stages}
-    print(f"  {'total':<24}" + "".join(f"{totals[s] / 1e9:>14.3f}" for s in stages))
+    unit, scale, label = ("GB", 1e9, "1e9") if max(totals.values()) >= 1e9 else ("MB", 1e6, "1e6")  # decimal
+    header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
+    print(f"\nper rank ({unit} = {label} bytes)" + header)
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits"):
+        print(f"  {key:<24}" + "".join(f"{mem[s][key] / scale:>14.3f}" for s in stages))
+    print(f"  {'total':<24}" + "".join(f"{totals[s] / scale:>14.3f}" for s in stages))
     if args.gpu_mem:
         print(f"  {'fits in ' + format(args.gpu_mem, 'g') + ' GB':<24}" +
               "".join(f"{'yes' if totals[s] <= args.gpu_mem * 1e9 else 'DOES NOT FIT':>14}" for s in stages))
-    print("communication sent per rank per step (GB)")
+    print(f"communication sent per rank per step ({unit})")
     for dim in ("tp", "cp", "pp", "dp", "ep"):
-        print(f"  {dim:<24}" + "".join(f"{com[s][dim] / 1e9:>14.4f}" for s in stages))
+        print(f"  {dim:<24}" + "".join(f"{com[s][dim] / scale:>14.4f}" for s in stages))
     if args.pp > 1:
         print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
               f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")

@@ -25,8 +25,12 @@ The gradient norm sums the tp shards and the pp stages (04's `clip_grad_norm_tp`
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
-first rank of each stage per process group, and the bubble of the last step. Expert parallelism
-(07) is not wired in yet; the grid already carves `ep` out of dp for it.
+first rank of each stage per process group, and the bubble of the last step.
+
+Not composed here (the planner does their arithmetic): ZeRO (03's flat units and its norm know neither
+tp shards nor pipeline stages) and expert parallelism (07's load-balancing loss is added by a hook on
+the whole model's forward, which stages never call, and its per-sequence statistics and expert
+gradients would need sums over the sp/cp ranks); the grid already carves `ep` out of dp for it.
 """
 import sys
 from pathlib import Path

@@ -245,7 +245,7 @@ def test_planner_overlap_ratios_follow_their_derivations():
     assert ratios["pp"] == pytest.approx(2 * peak / (32 * 2048 * 11 * bw["pp"]))
     out = io.StringIO()
     with redirect_stdout(out):
-        planner.main(["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "16", "--dp", "64", "--tp", "2",
-                      "--gpu-mem", "1", "--peak-tflops", "1000", "--bw-intra", "400", "--bw-inter", "50"])
+        planner.main(["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "16", "--dp", "64",
+                      "--tp", "2", "--gpu-mem", "1", "--peak-tflops", "1000", "--bw-intra", "400", "--bw-inter", "50"])
     text = out.getvalue()
     assert "DOES NOT FIT" in text and "EXPOSED" in text
