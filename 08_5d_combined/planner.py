@@ -28,7 +28,9 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
       pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
       dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
       ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (07's dispatch + combine all-to-alls, forward and backward,
-          for balanced routing; experts held E/ep per rank, each split by tp as Megatron's expert TP)
+          for balanced routing). With experts the MLP has no TP collectives (tp: 4·L_r, not 8·L_r), the
+          experts are E/ep per rank and not split by tp (experts.py), their gradients are summed over
+          the dp/ep ranks that hold the same ones, and the logged loss is summed over the stages
       (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
   bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
   overlap t_comm/t_compute (seed digest §4.2; ≤ 1 means the communication can hide behind compute),
@@ -40,7 +42,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
                                             (t−1)/(24h) overlaps a whole block, 12× more compute)
       pp    e·peak/(32·h·L_chunk·bw)
       cp    e·cp·h_kv/(2·s·h)·peak/bw       one K/V block hop against one block of attention tiles
-      ep    (ep−1)·peak/(12·E·h·bw)         the cheat-sheet's form, as the seed gives it
+      ep    e·(ep−1)/(3·ep·F)·peak/bw       07's derivation: the cheat-sheet's (ep−1)/(12·E·h) has E where
+                                            ep stands (equal at one expert per rank; F = 4h gives 12h)
   A dimension uses --bw-intra if its group fits inside a node (--gpus-per-node; rank order [TP, CP, PP, DP])
   else --bw-inter. Layouts are checked with the trainers' own rules; --gpu-mem flags what does not fit.
 
@@ -99,14 +102,13 @@ def stage_parameters(config, layout: Layout, stage: int):
     h_kv = config.num_key_value_heads * config.head_dim
     layers = config.num_hidden_layers // layout.pp                           # L_r, over its V chunks
     attention = (2 * h * h + 2 * h * h_kv) // t                              # q, o (C, C/t); k, v (C, C_kv/t)
-    mlp = 3 * h * f // t
     dense = layers * (attention + 2 * h)                                     # + the two replicated norms
     expert = 0
-    if layout.num_experts:
-        dense += layers * h * layout.num_experts                             # the router, replicated
-        expert = layers * mlp * layout.num_experts // layout.ep
+    if layout.num_experts:       # the router (E, C) replicated; whole experts, E/ep of them (experts.py)
+        dense += layers * h * layout.num_experts
+        expert = layers * 3 * h * f * layout.num_experts // layout.ep
     else:
-        dense += layers * mlp
+        dense += layers * 3 * h * f // t                                     # gate, up (F/t, C); down (C, F/t)
     first, last = stage == 0, stage == layout.pp - 1
     dense += first * V * h // t + last * (h + (0 if config.tie_word_embeddings and first else V * h // t))
     return dense, expert
@@ -143,9 +145,10 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     scalar = lambda n: ring(n, norm_bytes)                                   # the gradient-norm squares  # noqa: E731
     comm = {}
     # --- tensor parallelism (+ SP) ---
-    passes = 8 * layers + 2 * first + 2 * last
+    per_layer = 4 if layout.num_experts else 8                               # attention (+ the dense MLP)
+    passes = per_layer * layers + 2 * first + 2 * last
     if layout.recompute == "full":
-        passes += 4 * layers                                                 # the forward's collectives again
+        passes += per_layer // 2 * layers                                    # the forward's collectives again
     if layout.sp and layout.schedule == "zb-h1":
         # W goes back from o_proj's / down_proj's output through ḡ's all-gather, which B already ran to
         # reach the chunk input (the embedding's runs once: B stops at its output, nothing is below it)
@@ -166,16 +169,19 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
         comm["cp"] = 0
     # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
     boundary = tokens // (t if layout.sp else 1) * h * e
-    comm["pp"] = m * (2 * V - first - last) * boundary + ((p - 1) * 8 // p + scalar(p) if p > 1 else 0)
+    logged = ring(p, 8) + scalar(p) if layout.num_experts else (p - 1) * 8 // p   # loss summed / broadcast
+    comm["pp"] = m * (2 * V - first - last) * boundary + (logged + scalar(p) if p > 1 else 0)
     # --- data parallelism over the cp×dp ranks that hold the same weights ---
     n = layout.dp * cp
     dense, expert = stage_parameters(config, layout, stage)
     grads = dense * STATE_BYTES[layout.precision][1]
     factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
     comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) if n > 1 else 0   # + the logged loss (float64)
+    n_expert = n // layout.ep                                                # ranks holding the same experts
+    comm["dp"] += factor * (n_expert - 1) * expert * STATE_BYTES[layout.precision][1] // n_expert
     # --- expert parallelism ---
     routed = tokens * h * layout.top_k * e                                   # b·s_r·h·k·e bytes of rows
-    comm["ep"] = m * layers * 4 * (layout.ep - 1) * routed // layout.ep if layout.num_experts else 0
+    comm["ep"] = m * layers * 4 * (layout.ep - 1) * routed // layout.ep + scalar(layout.ep) if layout.num_experts else 0
     return comm
 
 
@@ -196,7 +202,7 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
     if layout.cp > 1:
         ratios["cp"] = e * layout.cp * h_kv / (2 * seq_len * h) * peak_flops / bw["cp"]
     if layout.num_experts and layout.ep > 1:
-        ratios["ep"] = (layout.ep - 1) * peak_flops / (12 * layout.num_experts * h * bw["ep"])
+        ratios["ep"] = e * (layout.ep - 1) / (3 * layout.ep * config.intermediate_size) * peak_flops / bw["ep"]
     return ratios
 
 
@@ -211,9 +217,6 @@ def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -
 def build_parser():
     p = combined.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
     g = p.add_argument_group("planner")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree (carved out of dp)")
-    g.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)")
-    g.add_argument("--top-k", type=int, default=1, help="experts per token")
     g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
     g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
     g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")

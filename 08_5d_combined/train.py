@@ -1,4 +1,4 @@
-"""4D parallelism in one trainer: data × tensor (+ sequence) × context × pipeline, with the kernels.
+"""5D parallelism in one trainer: data × tensor (+ sequence) × context × pipeline × expert, with the kernels.
 
 Playbook §2.8 (combining the techniques) and chapter 3 (choosing a layout); Megatron-LM's PTD-P
 (Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1, Fig. 5). Nothing new
@@ -9,28 +9,30 @@ model from outside, in this order (each step needs the previous one's result):
                     RoPE, the attention core and the loss for Triton ones
     2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
     3. CP           --cp/--cp-layout (05): ring attention (or --cp-attn ulysses) replaces the core
+       MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
     6. DP           --dp (02): gradients averaged over the cp×dp ranks after the last micro-batch
+                    (with experts, 07's: dense over dp, experts summed over the dp/ep replicas)
 
 The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid): tp neighbours fastest, dp slowest.
 What crosses a stage boundary is the residual stream of this rank's tokens, (mbs, T/cp, C), or
 (mbs, T/(cp·tp), C) under SP (06's `boundary_shape`). Every rank logs the last stage's loss, averaged
 over the cp×dp replicas: the mean over the global batch dp·mbs·grad_acc, the same number as 01's.
-The gradient norm sums the tp shards and the pp stages (04's `clip_grad_norm_tp`).
+The gradient norm sums the tp shards and the pp stages (04's `clip_grad_norm_tp`; experts.py adds the
+experts). With experts, what pipeline stages change (the load-balancing loss) is in experts.py.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 --grad-acc 4
     torchrun --nproc_per_node 4 08_5d_combined/train.py --cp 2 --pp 2 --pp-schedule interleaved --pp-chunks 2 --grad-acc 4
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
 first rank of each stage per process group, and the bubble of the last step.
 
-Not composed here (the planner does their arithmetic): ZeRO (03's flat units and its norm know neither
-tp shards nor pipeline stages) and expert parallelism (07's load-balancing loss is added by a hook on
-the whole model's forward, which stages never call, and its per-sequence statistics and expert
-gradients would need sums over the sp/cp ranks); the grid already carves `ep` out of dp for it.
+Not composed here (the planner does the arithmetic): ZeRO (03's flat units and its norm know neither tp
+shards nor pipeline stages), and experts with --sp or --cp (experts.py says why).
 """
 import sys
 from pathlib import Path
@@ -56,16 +58,21 @@ cp_train = import_module("05_sequence_context_parallel.train")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 pp_train = import_module("06_pipeline.train")
+moe = import_module("07_expert_parallel.moe")
+expert_parallel = import_module("07_expert_parallel.expert_parallel")
+experts = import_module("08_5d_combined.experts")
 
 
 def build_parser(description=__doc__.splitlines()[0]):
     p = cp_train.build_parser(description)          # core flags, --tp --dp, --sp --cp --cp-layout --cp-attn
     pp_train.add_pipeline_arguments(p)              # --pp --pp-schedule --pp-chunks --timeline
+    experts.add_arguments(p)                        # --num-experts --top-k --aux-loss-coef --ep
     return p
 
 
 def check_layout(args, config):
     """Every rule of every folder, and the world size dp·pp·cp·tp, before any process group exists."""
+    experts.check_experts(args)
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
                             config.tie_word_embeddings, args.recompute)
     cp_train.check_layout(args, config, pp=args.pp)  # cp/sp/attention rules, tp divisibility, world size
@@ -80,6 +87,8 @@ def parallelize(full, args, grid):
     if args.cp > 1:                                                        # 3. CP
         apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
         apply(full, context_parallel.CPLayout(args.cp_layout, args.cp), grid.cp_group)
+    if args.num_experts:                                                   # 3b. MoE, EP (07)
+        experts.apply_experts(full, args, grid)
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)   # 4. PP
     base.recompute.apply_recompute(full, args.recompute)                   # 5. the stages hold these layers
     positions = context_parallel.CPLayout(args.cp_layout, args.cp).positions(grid.cp_rank, args.seq_len)
@@ -90,24 +99,36 @@ def parallelize(full, args, grid):
 
 
 def make_plan(args, grid, stages, pipe, norm_weights):
-    """04's plan (SP's norm all-reduce, then the cp×dp average) with 06's schedule, norm and loss."""
+    """04's plan (SP's norm all-reduce, then the cp×dp average) with 06's schedule, norm and loss;
+    with experts, 07's gradient synchronisation and experts.py's norm and loss."""
     step = schedules.SCHEDULE_STEPS[args.pp_schedule]
     positions = stages[0].position_ids
+    aux = experts.StageAuxLoss(stages, args.aux_loss_coef, args.grad_acc) if args.num_experts else None
 
     def forward_backward(model, micro_batches):            # this rank's T/cp tokens and their labels
-        return step(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp)
+        loss = step(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp)
+        return loss + aux.take_logged() if aux else loss
 
     sync = [lambda: sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)] if args.sp else []
     plan = tp_train.make_plan(args, grid, stages, forward_backward=forward_backward, before_averaging=sync)
     replicas = grid.cp_size * grid.dp_size
+    layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size, "sp": args.sp,
+              "pp_chunks": args.pp_chunks, "ep": grid.ep_size, "num_experts": args.num_experts}
+    if aux:
+        view = experts.stage_view(stages)
+        return dataclasses.replace(
+            plan, finish_gradients=expert_parallel.make_finish_gradients(view, grid),
+            clip_gradients=functools.partial(experts.clip_grad_norm_experts, grid=grid,
+                                             expert_params=moe.split_parameters(view)[1]),
+            global_loss=functools.partial(experts.sum_over_stages, device=base.device_of(args), grid=grid),
+            layout=layout)
     return dataclasses.replace(
         plan,
         clip_gradients=functools.partial(tensor_parallel.clip_grad_norm_tp, tp_group=grid.tp_group,
                                          pp_group=grid.pp_group),
         global_loss=functools.partial(pipeline.broadcast_loss, device=base.device_of(args), pp_ranks=grid.pp_ranks,
                                       pp_group=grid.pp_group, dp_group=grid.cp_dp_group, dp_size=replicas),
-        layout={"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                "sp": args.sp, "pp_chunks": args.pp_chunks})
+        layout=layout)
 
 
 def state_bytes(stages, optimizer):
@@ -148,7 +169,7 @@ def report(grid, stages, optimizer, meter, activations, steps):
 
 def run(args, config):
     """Returns (records, stages, pipe, everyone's measured states and communication)."""
-    grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep)
     _, dataset = base.load_data(args)
     device = base.device_of(args)
     full = base.build_model(args, config)                  # 1. every rank: the same seeded model, kernels applied
@@ -167,9 +188,12 @@ def run(args, config):
                                                        tp=args.tp, sp=args.sp, cp=args.cp)
     activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
     if plan.is_logging_rank:
-        print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{', sp' if args.sp else ''}): rank 0 "
-              f"shares tp with {process_grid_peers(grid, 'tp')}, cp with {process_grid_peers(grid, 'cp')}, "
-              f"pp with {list(grid.pp_ranks)}, dp with {process_grid_peers(grid, 'dp')}; model {config}")
+        extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts"
+                                                 if args.num_experts else "")
+        peers = {dim: process_grid_peers(grid, dim) for dim in ("tp", "cp", "dp", "ep")}
+        print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
+              f"{peers['tp']}, cp with {peers['cp']}, pp with {list(grid.pp_ranks)}, dp with {peers['dp']}"
+              + (f", ep with {peers['ep']}" if args.num_experts else "") + f"; model {config}")
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
         records = base.train(args, stages, optimizer, plan, dataset, config)
     if plan.is_logging_rank and records:

@@ -3,9 +3,11 @@
 Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
-    8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2
+    8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
+             dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
-             tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter)
+             tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
+             dp2 (ep2) × pp2 with zb-h1 and 4 experts
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -24,7 +26,8 @@ every bad layout stops with the earlier folders' messages before any process gro
 Planner: (a) the seed's anchors (seed digest §2.6: ZeRO's 7.5B example, the Korthikanti activations of
 GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
 each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
-CommMeter equal the planner's numbers for its stage, exactly.
+CommMeter equal the planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
+which follow the routing: the planner assumes balanced routing, 07's tests check the real bytes).
 """
 import io
 import os
@@ -49,7 +52,8 @@ combined = import_module("08_5d_combined.train")
 planner = import_module("08_5d_combined.planner")
 
 STEPS = 2
-GROUPS = {"tp": {"tp"}, "cp": {"cp"}, "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap"}, "dp": {"cp_dp"}}
+GROUPS = {"tp": {"tp"}, "cp": {"cp"}, "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap"},
+          "dp": {"cp_dp", "dp", "expert_dp"}, "ep": {"ep"}}
 
 
 NORMS = dict(rtol=5e-5, atol=0)
@@ -89,7 +93,16 @@ def _check(flag_sets, per_rank):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
         args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
         layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
-        ref_losses, ref_norms, ref_state = reference(steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype)
+        if layout.num_experts:   # 07's single-device MoE (no process group: RANK is not set here)
+            moe_train = import_module("07_expert_parallel.train")
+            ref_args = moe_train.cli.parse_args(moe_train.build_parser("reference"), common.argv(
+                "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+            records, model, _ = moe_train.run(ref_args)
+            ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+            ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            ref_losses, ref_norms, ref_state = reference(steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc,
+                                                         dtype=dtype)
         covered = set()
         for rank, runs in enumerate(per_rank):
             run, what = runs[i], f"{' '.join(extra)}, rank {rank}"
@@ -106,7 +119,9 @@ def _check(flag_sets, per_rank):
             params, _, optimizer = run["states"]
             assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
             sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
-            assert run["sent"] == {dim: STEPS * sent[dim] for dim in GROUPS}, what
+            # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
+            exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
+            assert {d: run["sent"][d] for d in exact} == {d: STEPS * sent[d] for d in exact}, what
         assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
 
 
@@ -114,11 +129,13 @@ EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b"),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule", "zb-h1",
                       mbs=4),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule",
-                      "interleaved", "--pp-chunks", 2, mbs=4)]
+                      "interleaved", "--pp-chunks", 2, mbs=4),
+               _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4)]
 FOUR_RANKS = [_flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2, "--recompute", "selective", mbs=4, grad_acc=3,
                      dtype="float64"),
               _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2, "--pp-schedule", "afab", mbs=4),
-              _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton")]
+              _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
+              _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts", 4)]
 
 
 @pytest.mark.timeout(300)
@@ -172,6 +189,11 @@ def _check_layout(*flags, world):
     (("--tp", 2, "--sp", "--cp", 4, "--cp-layout", "contiguous", "--seq-len", 12, "--pp", 2), 16,
      r"tp=2 does not divide the sequence each rank holds \(3 tokens"),
     (("--cp", 2, "--attn", "triton", "--pp", 2), 4, r"--cp-attn ring .* --attn triton would be ignored"),
+    (("--dp", 2, "--ep", 2), 2, r"--ep 2 splits experts: it needs --num-experts"),
+    (("--dp", 3, "--ep", 3, "--num-experts", 4), 3, r"ep=3 does not divide num_experts=4"),
+    (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
+    (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
+    (("--cp", 2, "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
 ])
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,131 @@
+"""Mixture of experts and expert parallelism (07) inside the 4D trainer: what pipeline stages change.
+
+Playbook §2.7-2.8; Megatron-core's MoE (its `MoEAuxLossAutoScaler` is the idea of `AttachAuxLoss`).
+07 builds the MoE blocks (`moe.apply_moe`), shards the experts over the ep ranks carved out of dp
+(`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`make_finish_gradients`).
+Three things do not carry over to pipeline stages and tensor parallelism, and are done here:
+
+  * the load-balancing loss α·Σ_layers aux is added by a hook on the whole model's forward, which
+    stages never call. Each stage adds its own blocks' aux instead: to the loss on the last stage;
+    on the others through `AttachAuxLoss`, which passes the activations on unchanged and gives aux the
+    gradient 1/m (the 1/m every micro-batch's loss gets), so every router learns as on one device;
+  * the logged loss is then the sum over the stages (cross-entropy + the last stage's aux, plus every
+    other stage's aux), averaged over the dp replicas;
+  * the gradient norm: ‖g‖² = ‖dense‖² (04's: tp shards summed once, stages summed)
+                               + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
+Under TP (without SP) the experts are not split: every tp rank holds the same input rows, runs the
+same experts and gets the same gradients, like the norm weights (Megatron's expert-TP = 1).
+Not composed: --sp and --cp, which split every sequence over ranks, while the load-balancing
+statistics are per sequence (moe.py) and the expert gradients would need sums over those ranks too.
+
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
+"""
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+moe = import_module("07_expert_parallel.moe")
+expert_parallel = import_module("07_expert_parallel.expert_parallel")
+
+
+def add_arguments(parser):
+    g = parser.add_argument_group("mixture of experts and expert parallelism (07)")
+    g.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: the dense Llama)")
+    g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to")
+    g.add_argument("--aux-loss-coef", type=float, default=0.01, help="α of the per-sequence load-balancing loss")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree: dp ranks that split the experts")
+
+
+def check_experts(args):
+    """07's rules, and what 08 does not compose; before any process group exists."""
+    if not args.num_experts:
+        if args.ep > 1:
+            raise ValueError(f"--ep {args.ep} splits experts: it needs --num-experts (a multiple of {args.ep})")
+        return
+    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef)
+    expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
+    if args.sp or args.cp > 1:
+        raise ValueError("--num-experts with --sp or --cp > 1 is not supported: they split every sequence over "
+                         "ranks, while the load-balancing statistics are per sequence; drop --sp/--cp")
+
+
+def apply_experts(full, args, grid):
+    """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; returns the blocks."""
+    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,
+                           upcycle=bool(args.init_from))   # its loss hook is on `full`, which stages never call
+    if grid.ep_size > 1:
+        expert_parallel.apply_expert_parallel(full, grid)
+    return blocks
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Forward: x unchanged. Backward: x's gradient, and `scale` as the gradient of the scalar aux."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+class StageAuxLoss:
+    """Adds α·Σ(the stage's MoE blocks' aux) to every stage chunk's output; `logged` holds the aux of
+    the stages that do not end in the loss, /m, for the step's logged loss."""
+
+    def __init__(self, stages, aux_loss_coef: float, micro_batches: int):
+        self.coef, self.m, self.logged = aux_loss_coef, micro_batches, []
+        for stage in stages:
+            blocks = [layer.mlp for layer in stage.model.layers.values() if isinstance(layer.mlp, moe.MoE)]
+            stage.register_forward_hook(lambda module, args, out, blocks=blocks: self._add(blocks, out))
+
+    def _add(self, blocks, out):
+        if self.coef == 0 or not blocks:
+            return out
+        aux = self.coef * sum(block.aux_loss for block in blocks)              # ()
+        if out.dim() == 0:                  # the last stage: the pipeline divides the whole loss by m
+            return out + aux
+        self.logged.append(aux.detach() / self.m)
+        return AttachAuxLoss.apply(out, aux, 1.0 / self.m)                     # (mbs, T, C)
+
+    def take_logged(self):
+        total, self.logged = sum(float(a) for a in self.logged), []
+        return total
+
+
+def stage_view(stages):
+    """A module whose `model.layers` lists this rank's layers and whose parameters are its stages', the
+    shape 07's `split_parameters` and `make_finish_gradients` read."""
+    view = nn.Module()
+    view.stages, view.model = stages, nn.Module()
+    view.model.layers = nn.ModuleList(layer for stage in stages for layer in stage.model.layers.values())
+    return view
+
+
+def clip_grad_norm_experts(params, max_norm, grid, expert_params):
+    """01's clipping by the whole model's norm: 04's norm of the dense part, plus the experts'."""
+    experts = {id(p) for p in expert_params}
+    dense_norm = tensor_parallel.clip_grad_norm_tp([p for p in params if id(p) not in experts], 0, grid.tp_group,
+                                                   pp_group=grid.pp_group)    # max_norm 0: only the norm
+    dtype = torch.promote_types(dense_norm.dtype, torch.float32)
+    expert_sq = sum((p.grad.to(dtype).pow(2).sum() for p in expert_params if p.grad is not None),
+                    torch.zeros((), dtype=dtype, device=dense_norm.device))
+    dist.all_reduce(expert_sq, group=grid.ep_group)                           # (): each expert once
+    dist.all_reduce(expert_sq, group=grid.pp_group)                           # (): over the stages
+    total = (dense_norm.to(dtype).pow(2) + expert_sq).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
+    return total
+
+
+def sum_over_stages(loss, device, grid):
+    """Every stage's share of the loss (the last: cross-entropy and its aux; the others: their aux),
+    summed over the pipeline and averaged over the dp replicas: the global batch's loss."""
+    loss = torch.tensor(float(loss), dtype=torch.float64, device=device)
+    dist.all_reduce(loss, group=grid.pp_group)
+    dist.all_reduce(loss, group=grid.dp_group)
+    return float(loss / grid.dp_size)
