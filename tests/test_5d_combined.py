@@ -30,7 +30,9 @@ CommMeter equal the planner's numbers for its stage, exactly (except the all-to-
 which follow the routing: the planner assumes balanced routing, 07's tests check the real bytes).
 """
 import io
+import json
 import os
+import tempfile
 from contextlib import redirect_stdout
 from importlib import import_module
 
@@ -123,9 +125,13 @@ def _check(flag_sets, per_rank):
             exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
             assert {d: run["sent"][d] for d in exact} == {d: STEPS * sent[d] for d in exact}, what
         assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
+        if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
+            logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
+            torch.testing.assert_close(logged, ref_losses, **loss_tol)
 
 
-EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b"),
+JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
+EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log", JSON_LOG),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule", "zb-h1",
                       mbs=4),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule",
