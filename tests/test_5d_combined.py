@@ -13,7 +13,7 @@ for the same reasons: TP splits every matmul's sum, ring attention merges blocks
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
 (~1e-7 relative: the first step's norms agree to 1e-7), which AdamW's first updates (≈ lr·g/|g|,
 lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps are computed on those
-parameters and are the most sensitive number (cp2 × pp2: 1.1e-5 relative at step 2): 5e-5 relative.
+parameters and are the most sensitive number (1.1e-5 relative at step 2 of a float32 cp2 × pp2 run): 5e-5.
 The Triton layout is compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
 1e-3 (parameters): the kernels reorder float32 reductions themselves. The cp2 × pp2 layout with 3
 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
