@@ -110,7 +110,9 @@ def make_optimizer(params, args):
 
 
 def flops_per_token(config, seq_len):
-    matmul_params = sum(p.numel() for n, p in modeling.LlamaForCausalLM(config).to("meta").named_parameters()
+    with torch.device("meta"):   # shapes only: no memory, no initialisation (the 1b preset would take seconds)
+        shapes = modeling.LlamaForCausalLM(config)
+    matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
                         if "embed_tokens" not in n or config.tie_word_embeddings)
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 

@@ -142,7 +142,7 @@ class CommMeter:
 
     def table(self, title="communication per rank", steps: int = 1) -> str:
         """One row per (operation, group); divided by `steps` for a per-step average."""
-        rows = [f"{title}:", f"  {'operation':<16}{'group':<10}{'calls':>7}{'payload MB':>12}{'wire MB':>10}"]
+        rows = [f"{title}:", f"  {'operation':<16}{'group':<10}{'calls':>7}{'payload MiB':>12}{'wire MiB':>10}"]
         for key in sorted(self.calls):
             calls = self.calls[key] // steps if self.calls[key] % steps == 0 else round(self.calls[key] / steps, 2)
             rows.append(f"  {key[0]:<16}{key[1]:<10}{calls:>7}{self.payload[key] / steps / 2**20:>12.3f}"
