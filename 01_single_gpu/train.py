@@ -57,6 +57,15 @@ def clip_gradients(params, max_norm):
     return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
 
 
+def flops_per_token(config, seq_len):
+    """6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention's 12·L·h·s."""
+    with torch.device("meta"):   # shapes only: no memory, no initialisation (the 1b preset would take seconds)
+        shapes = modeling.LlamaForCausalLM(config)
+    matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
+                        if "embed_tokens" not in n or config.tie_word_embeddings)
+    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
 @dataclass
 class TrainPlan:
     """What a parallel folder changes in the loop; the defaults are one device."""
@@ -69,6 +78,7 @@ class TrainPlan:
     global_loss: Callable = lambda loss: float(loss)  # this rank's loss -> the loss of the global batch
     layout: dict = field(default_factory=dict)        # parallel degrees, checked on --resume
     world_size: int = 1                    # devices that share the work (for MFU)
+    flops_per_token: Callable = flops_per_token       # (config, seq_len) -> model FLOPs per token (for MFU)
 
 
 def device_of(args):
@@ -109,14 +119,6 @@ def make_optimizer(params, args):
     return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
 
 
-def flops_per_token(config, seq_len):
-    with torch.device("meta"):   # shapes only: no memory, no initialisation (the 1b preset would take seconds)
-        shapes = modeling.LlamaForCausalLM(config)
-    matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
-                        if "embed_tokens" not in n or config.tie_word_embeddings)
-    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
-
-
 def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     """The loop every folder runs. Returns the list of per-step records (also --json-log)."""
     device = device_of(args)
@@ -128,7 +130,7 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
     tokens_per_step = sampler.global_batch * args.seq_len
-    flops = flops_per_token(config, args.seq_len) * tokens_per_step
+    flops = plan.flops_per_token(config, args.seq_len) * tokens_per_step
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
     log = open(args.json_log, "a" if args.resume else "w") if (args.json_log and plan.is_logging_rank) else None

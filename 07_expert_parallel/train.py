@@ -54,12 +54,21 @@ def check_layout(args):
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, ep=args.ep)
 
 
-def make_plan(grid, model):
-    """01's plan for one device (grid None), else the EP × DP plan."""
+def moe_flops_per_token(args):
+    """01's count for the parameters a token really uses: k experts and the router instead of one MLP,
+    (k−1)·3·C·F + C·E more matmul parameters per layer (moe.py), 6 FLOPs each."""
+    def count(config, seq_len):
+        extra = (args.top_k - 1) * 3 * config.hidden_size * config.intermediate_size + config.hidden_size * args.num_experts
+        return base.flops_per_token(config, seq_len) + 6 * config.num_hidden_layers * extra
+    return count
+
+
+def make_plan(grid, model, args):
+    """01's plan for one device (grid None), else the EP × DP plan; MFU counts the active parameters."""
     if grid is None:
-        return base.TrainPlan()
+        return base.TrainPlan(flops_per_token=moe_flops_per_token(args))
     _, experts = moe.split_parameters(model)
-    return base.TrainPlan(dp_rank=grid.dp_rank, dp_size=grid.dp_size, is_logging_rank=grid.rank == 0,
+    return base.TrainPlan(flops_per_token=moe_flops_per_token(args), dp_rank=grid.dp_rank, dp_size=grid.dp_size, is_logging_rank=grid.rank == 0,
                           finish_gradients=expert_parallel.make_finish_gradients(model, grid),
                           clip_gradients=functools.partial(expert_parallel.clip_grad_norm_ep,
                                                            expert_params=experts, ep_group=grid.ep_group),
@@ -90,7 +99,7 @@ def run(args):
     model.to(base.device_of(args))
     base.recompute.apply_recompute(model, args.recompute)
     optimizer = base.make_optimizer(model.parameters(), args)
-    plan = make_plan(grid, model)
+    plan = make_plan(grid, model, args)
     dp, ep = (grid.dp_size, grid.ep_size) if grid else (1, 1)
     base.print_setup(args, config, model, optimizer, dp_train.activation_estimate(args, config), plan=plan,
                      title=f"memory per rank (dp {dp}, ep {ep}; activations: the dense Llama's estimate)")

@@ -120,6 +120,20 @@ def test_aux_loss_gradient_survives_full_recompute():
     assert models[1].model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_mfu_counts_the_parameters_a_token_uses():
+    """MFU's FLOPs per token: 6 per matmul parameter a token passes through (attention, the router,
+    k of the E experts, the head; not the embedding lookup) plus 01's attention-score term."""
+    args = train07.build_parser("t").parse_args(["--num-experts", "4", "--top-k", "2"])
+    model = modeling.LlamaForCausalLM(LAYER)
+    moe.apply_moe(model, 4, 2, 0.01, seed=0)
+    per_expert = sum(p.numel() for p in model.model.layers[0].mlp.experts["0"].parameters())
+    stored = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    active = stored - LAYER.num_hidden_layers * (4 - 2) * per_expert
+    attention = 12 * LAYER.num_hidden_layers * LAYER.hidden_size * 16
+    assert train07.moe_flops_per_token(args)(LAYER, 16) == 6 * active + attention
+    assert train07.make_plan(None, model, args).flops_per_token(LAYER, 16) == 6 * active + attention
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ep", 3], "ep=3 does not divide num_experts=4"),
     (["--num-experts", 6, "--dp", 4, "--ep", 3], "ep=3 does not divide dp=4"),
