@@ -31,6 +31,9 @@ from it (in-place collectives, which gloo and NCCL both support), so no extra co
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
 New compared with 02: the flat units, the sharded optimizer, and where each collective happens.
+08_5d_combined/distributed_optimizer.py runs stage 1 on the stages of a pipeline and the tp shards: it
+builds the units from the stage modules, leaves the experts (`exclude`) to a second ZeRO whose gradient
+is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules for the norm.
 """
 import math
 import warnings
@@ -94,15 +97,20 @@ class FlatUnit:
 class ZeRO:
     """The TrainPlan pieces (forward_backward, finish_gradients, clip_gradients) of one stage."""
 
-    def __init__(self, modules, group, stage: int):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None):
+        """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
+        gradient is the sum over `group` divided by it (default: the group's size, the mean)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage = group, stage
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
-        seen, self.units = set(), []
+        self.divisor = divisor or self.size
+        exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
+        seen, self.units = set(exclude), []
         for module in modules:
-            params = [p for p in module.parameters() if p.requires_grad and p not in seen]
-            if stage == 3 and len(params) < len(list(module.parameters())):
+            own = [p for p in module.parameters() if p.requires_grad and p not in exclude]
+            params = [p for p in own if p not in seen]
+            if stage == 3 and len(params) < len(own):
                 raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
                                  "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
             seen.update(params)
@@ -134,7 +142,7 @@ class ZeRO:
         """make(params) -> 01's AdamW, over the shards; stages 1-2 all-gather after every step."""
         optimizer = make(self.shards)
         if self.stage < 3:
-            optimizer.register_step_post_hook(lambda *_: self._gather_all_shards())
+            optimizer.register_step_post_hook(lambda *_: self.gather_shards())
         return optimizer
 
     # ==================================================================================
@@ -142,6 +150,11 @@ class ZeRO:
     # ==================================================================================
     def forward_backward(self, model, micro_batches):
         """01's `forward_backward`, with this rank's gradient buffers zeroed first."""
+        self.zero_gradients()
+        return base.forward_backward(model, micro_batches)
+
+    def zero_gradients(self):
+        """Before the first micro-batch (08 calls it before its pipeline schedule)."""
         self.events.clear()
         for unit in self.units:
             if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
@@ -150,10 +163,9 @@ class ZeRO:
                     p.grad = view
             else:
                 unit.shard_grad.zero_()
-        return base.forward_backward(model, micro_batches)
 
     def finish_gradients(self):
-        """shard.grad <- this rank's slice of the mean over ranks of the gradients."""
+        """shard.grad <- this rank's slice of the sum over ranks of the gradients, / divisor (the mean)."""
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
@@ -161,18 +173,32 @@ class ZeRO:
                 work.wait()
         for unit in self.units:
             unit.shard.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad
-            unit.shard.grad.div_(self.size)
+            unit.shard.grad.div_(self.divisor)
 
     def clip_gradients(self, params, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
-        squares = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()   # () this rank's part
+        squares = self.shard_squares()                                        # () this rank's part
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
         norm = squares.sqrt()
         if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for unit in self.units:
-                unit.shard.grad.mul_(coef)
+            self.scale_gradients((max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
+
+    def shard_squares(self, which=lambda p: True):
+        """() Σ of the squares of this rank's shard gradients that belong to parameters p with which(p)
+        (08 sums tp-sharded and replicated weights differently); the padding holds zeros."""
+        dtype = torch.promote_types(self.units[0].shard.dtype, torch.float32) if self.units else torch.float32
+        total = torch.zeros((), dtype=dtype, device=self.units[0].full.device if self.units else None)
+        for unit in self.units:
+            for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
+                lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
+                if lo < hi and which(p):
+                    total += unit.shard.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
+        return total
+
+    def scale_gradients(self, coef):
+        for unit in self.units:
+            unit.shard.grad.mul_(coef.to(unit.shard.grad.dtype))
 
     # ==================================================================================
     # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
@@ -239,7 +265,8 @@ class ZeRO:
             self._gather(self.units[neighbour])
         self.events.append(("forward" if direction > 0 else "backward", unit.index))
 
-    def _gather_all_shards(self):
+    def gather_shards(self):
+        """After the optimizer step (stages 1-2): every rank's updated shards, into every full buffer."""
         works = [comm.all_gather_flat(u.full, u.shard.detach(), group=self.group, async_op=True)
                  for u in self.units]         # in place: the shard is slice r of full
         for work in works:

@@ -12,7 +12,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
                          16 B/param (K = 12). The cheat-sheet's 18 B adds fp32 gradients (E8): not used.
       --precision fp32   4Ψ + 4Ψ + 8Ψ: what this project's float32 runs hold (train.py measures it);
                          fp64 doubles it (the --dtype float64 runs of the tests)
-      ZeRO-1 shards the optimizer states over N, ZeRO-2 the gradients too, ZeRO-3 the weights too.
+      ZeRO-1 shards the optimizer states over N, ZeRO-2 the gradients too, ZeRO-3 the weights too
+      (train.py runs ZeRO-1: distributed_optimizer.py; the planner counts no padding of 03's units).
       activations: 01's memory.activation_bytes_estimate (Korthikanti: none s·b·h·(34 + 5as/h), TP
       s·b·h·(10 + 24/t + 5as/(ht)), TP+SP s·b·h·(34 + 5as/h)/t, selective 34·s·b·h[/t], full 2·s·b·h;
       s → s/cp), for one chunk's layers × the micro-batch·chunks the schedule holds (06's peak_held),
@@ -27,6 +28,7 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
           ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
       pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
       dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
+          (+ with ZeRO, the all-reduce of the shards' two norm squares; one more for the experts)
       ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (07's dispatch + combine all-to-alls, forward and backward,
           for balanced routing). With experts the MLP has no TP collectives (tp: 4·L_r, not 8·L_r), the
           experts are E/ep per rank and not split by tp (experts.py), their gradients are summed over
@@ -176,9 +178,11 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     dense, expert = stage_parameters(config, layout, stage)
     grads = dense * STATE_BYTES[layout.precision][1]
     factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
-    comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) if n > 1 else 0   # + the logged loss (float64)
+    shard_norms = ring(n, 2 * norm_bytes) if layout.zero_stage else 0        # ZeRO: Σ_dp of the shards' ‖g‖²
+    comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) + shard_norms if n > 1 else 0   # + the logged loss
     n_expert = n // layout.ep                                                # ranks holding the same experts
     comm["dp"] += factor * (n_expert - 1) * expert * STATE_BYTES[layout.precision][1] // n_expert
+    comm["dp"] += scalar(n_expert) if layout.zero_stage and layout.num_experts else 0
     # --- expert parallelism ---
     routed = tokens * h * layout.top_k * e                                   # b·s_r·h·k·e bytes of rows
     comm["ep"] = m * layers * 4 * (layout.ep - 1) * routed // layout.ep + scalar(layout.ep) if layout.num_experts else 0
@@ -217,7 +221,6 @@ def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -
 def build_parser():
     p = combined.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
     g = p.add_argument_group("planner")
-    g.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
     g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
     g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")
     g.add_argument("--bw-intra", type=float, help="GB/s (bus bandwidth) inside a node")
@@ -251,7 +254,7 @@ def main(argv=None):
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the trainers' own rules, for the world size the degrees ask for
         with world_size(world):
-            combined.check_layout(args, config)
+            combined.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
         combined.process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
     except ValueError as error:
         parser.error(str(error))

@@ -14,25 +14,29 @@ model from outside, in this order (each step needs the previous one's result):
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
     6. DP           --dp (02): gradients averaged over the cp×dp ranks after the last micro-batch
                     (with experts, 07's: dense over dp, experts summed over the dp/ep replicas)
+       ZeRO-1       --zero-stage 1 (03, via distributed_optimizer.py): instead, reduce-scattered over
+                    those ranks, AdamW on this rank's 1/N of the states, the parameters all-gathered
 
 The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid): tp neighbours fastest, dp slowest.
 What crosses a stage boundary is the residual stream of this rank's tokens, (mbs, T/cp, C), or
 (mbs, T/(cp·tp), C) under SP (06's `boundary_shape`). Every rank logs the last stage's loss, averaged
 over the cp×dp replicas: the mean over the global batch dp·mbs·grad_acc, the same number as 01's.
 The gradient norm sums the tp shards and the pp stages (04's `clip_grad_norm_tp`; experts.py adds the
-experts). With experts, what pipeline stages change (the load-balancing loss) is in experts.py.
+experts; under ZeRO-1 the dp shards too). With experts, what pipeline stages change (the load-balancing
+loss) is in experts.py.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 --grad-acc 4
     torchrun --nproc_per_node 4 08_5d_combined/train.py --cp 2 --pp 2 --pp-schedule interleaved --pp-chunks 2 --grad-acc 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
 first rank of each stage per process group, and the bubble of the last step.
 
-Not composed here (the planner does the arithmetic): ZeRO (03's flat units and its norm know neither tp
-shards nor pipeline stages), and experts with --sp or --cp (experts.py says why).
+Not composed here: ZeRO-2 and -3 (the planner does their arithmetic; `check_zero` says why), and experts
+with --sp or --cp (experts.py says why).
 """
 import sys
 from pathlib import Path
@@ -61,17 +65,27 @@ pp_train = import_module("06_pipeline.train")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
 experts = import_module("08_5d_combined.experts")
+distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
 
 
 def build_parser(description=__doc__.splitlines()[0]):
     p = cp_train.build_parser(description)          # core flags, --tp --dp, --sp --cp --cp-layout --cp-attn
     pp_train.add_pipeline_arguments(p)              # --pp --pp-schedule --pp-chunks --timeline
     experts.add_arguments(p)                        # --num-experts --top-k --aux-loss-coef --ep
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp ranks "
+                        "(03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
     return p
 
 
 def check_layout(args, config):
     """Every rule of every folder, and the world size dp·pp·cp·tp, before any process group exists."""
+    distributed_optimizer.check_zero_stage(args.zero_stage)
+    check_degrees(args, config)
+
+
+def check_degrees(args, config):
+    """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
     experts.check_experts(args)
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
                             config.tie_word_embeddings, args.recompute)
@@ -98,9 +112,10 @@ def parallelize(full, args, grid):
     return stages, norm_weights
 
 
-def make_plan(args, grid, stages, pipe, norm_weights):
+def make_plan(args, grid, stages, pipe, norm_weights, zero1=None):
     """04's plan (SP's norm all-reduce, then the cp×dp average) with 06's schedule, norm and loss;
-    with experts, 07's gradient synchronisation and experts.py's norm and loss."""
+    with experts, 07's gradient synchronisation and experts.py's norm and loss; with ZeRO-1, its
+    reduce-scatter and norm in place of the averaging and the norm."""
     step = schedules.SCHEDULE_STEPS[args.pp_schedule]
     positions = stages[0].position_ids
     aux = experts.StageAuxLoss(stages, args.aux_loss_coef, args.grad_acc) if args.num_experts else None
@@ -113,22 +128,26 @@ def make_plan(args, grid, stages, pipe, norm_weights):
     plan = tp_train.make_plan(args, grid, stages, forward_backward=forward_backward, before_averaging=sync)
     replicas = grid.cp_size * grid.dp_size
     layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size, "sp": args.sp,
-              "pp_chunks": args.pp_chunks, "ep": grid.ep_size, "num_experts": args.num_experts}
+              "pp_chunks": args.pp_chunks, "ep": grid.ep_size, "num_experts": args.num_experts,
+              "zero_stage": args.zero_stage}                      # --resume: ZeRO-1 saves optimizer shards
     if aux:
         view = experts.stage_view(stages)
-        return dataclasses.replace(
+        plan = dataclasses.replace(
             plan, finish_gradients=expert_parallel.make_finish_gradients(view, grid),
             clip_gradients=functools.partial(experts.clip_grad_norm_experts, grid=grid,
                                              expert_params=moe.split_parameters(view)[1]),
             global_loss=functools.partial(experts.sum_over_stages, device=base.device_of(args), grid=grid),
             layout=layout)
-    return dataclasses.replace(
-        plan,
-        clip_gradients=functools.partial(tensor_parallel.clip_grad_norm_tp, tp_group=grid.tp_group,
-                                         pp_group=grid.pp_group),
-        global_loss=functools.partial(pipeline.broadcast_loss, device=base.device_of(args), pp_ranks=grid.pp_ranks,
-                                      pp_group=grid.pp_group, dp_group=grid.cp_dp_group, dp_size=replicas),
-        layout=layout)
+    else:
+        plan = dataclasses.replace(
+            plan,
+            clip_gradients=functools.partial(tensor_parallel.clip_grad_norm_tp, tp_group=grid.tp_group,
+                                             pp_group=grid.pp_group),
+            global_loss=functools.partial(pipeline.broadcast_loss, device=base.device_of(args),
+                                          pp_ranks=grid.pp_ranks, pp_group=grid.pp_group, dp_group=grid.cp_dp_group,
+                                          dp_size=replicas),
+            layout=layout)
+    return zero1.in_plan(plan, before_reduction=sync) if zero1 else plan   # (sync: SP only, never with experts)
 
 
 def state_bytes(stages, optimizer):
@@ -176,12 +195,15 @@ def run(args, config):
     stages, norm_weights = parallelize(full, args, grid)
     stages.to(device)
     del full                                               # the other stages' layers are freed
-    optimizer = base.make_optimizer(stages.parameters(), args)
+    zero1 = distributed_optimizer.DistributedOptimizer(stages, grid, experts.stage_view(stages) if args.num_experts
+                                                       else None) if args.zero_stage == 1 else None   # 6. ZeRO-1
+    make_optimizer = functools.partial(base.make_optimizer, args=args)
+    optimizer = zero1.make_optimizer(make_optimizer) if zero1 else make_optimizer(stages.parameters())
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, base.param_dtype(args), device)                      # (mbs, T/cp[/tp], C)
     pipe = schedules.Pipeline(stages, p2p)
-    plan = make_plan(args, grid, stages, pipe, norm_weights)                       # 6. DP inside
+    plan = make_plan(args, grid, stages, pipe, norm_weights, zero1)                # 6. DP inside
     element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len, element, args.recompute,
@@ -189,7 +211,7 @@ def run(args, config):
     activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
     if plan.is_logging_rank:
         extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts"
-                                                 if args.num_experts else "")
+                                                 if args.num_experts else "") + (", zero-1" if zero1 else "")
         peers = {dim: process_grid_peers(grid, dim) for dim in ("tp", "cp", "dp", "ep")}
         print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
               f"{peers['tp']}, cp with {peers['cp']}, pp with {list(grid.pp_ranks)}, dp with {peers['dp']}"

@@ -4,10 +4,14 @@ Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
     8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
-             dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE)
+             dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE);
+             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
-             dp2 (ep2) × pp2 with zb-h1 and 4 experts
+             dp2 (ep2) × pp2 with zb-h1 and 4 experts;
+             ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
+             one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; dp4 (ep2) with
+             4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -18,7 +22,11 @@ The Triton layout is compared with 01's PyTorch path, with test_kernels.py's 1e-
 1e-3 (parameters): the kernels reorder float32 reductions themselves. The cp2 × pp2 layout with 3
 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
-visible step); in float64 everything agrees to 1e-8.
+visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same tolerances: its gradients are
+those of plain DP reduce-scattered instead of all-reduced, its norm a sum of shard squares (one more
+rounding order), and AdamW steps the same elements (a cp2 × dp2 run with grad-acc 3 showed the
+amplified outlier too, 2.6e-5 on one v_proj weight of 512; in float64 it agrees to 1e-8). The norms
+(1.4, then 2.2) are above --grad-clip 1, so clipping by the ZeRO-1 norm is exercised.
 
 Layout: Llama 3's 16-rank grid (seed digest C-2) from 02's pure layout function and 06's pipelines;
 every bad layout stops with the earlier folders' messages before any process group exists.
@@ -27,11 +35,15 @@ Planner: (a) the seed's anchors (seed digest §2.6: ZeRO's 7.5B example, the Kor
 GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
 each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
 CommMeter equal the planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
-which follow the routing: the planner assumes balanced routing, 07's tests check the real bytes).
+which follow the routing: the planner assumes balanced routing, 07's tests check the real bytes); for
+ZeRO-1, 03's formulas too (AdamW states 2eΨ/N, 1/N of plain DP's; reduce-scatter and all-gather
+(N−1)/N·eΨ each; only scalars all-reduced over dp).
 """
+import dataclasses
 import io
 import json
 import os
+import shutil
 import tempfile
 from contextlib import redirect_stdout
 from importlib import import_module
@@ -79,12 +91,16 @@ def _train(flag_sets):
                                             common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
         config = combined.tp_train.config_of(args)
         combined.check_layout(args, config)
+        if args.resume:   # from step 1 of the run before: its last checkpoint (step 2) is removed
+            if torch.distributed.get_rank() == 0:
+                shutil.rmtree(os.path.join(args.checkpoint_dir, f"step_{STEPS:06d}"))
+            torch.distributed.barrier()
         records, stages, pipe, everyone = combined.run(args, config)
         mine = everyone[torch.distributed.get_rank()]
         sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
                 for dim, groups in GROUPS.items()}
         results.append(dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                            coords=mine["coords"], states=mine["states"], sent=sent,
+                            coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                             state={pipeline.single_device_name(k): v.detach().numpy().copy()   # numpy: pickled
                                    for k, v in stages.state_dict().items()}))                   # by value
     return results
@@ -108,8 +124,10 @@ def _check(flag_sets, per_rank):
         covered = set()
         for rank, runs in enumerate(per_rank):
             run, what = runs[i], f"{' '.join(extra)}, rank {rank}"
-            torch.testing.assert_close(run["losses"], ref_losses, **loss_tol, msg=what)
-            torch.testing.assert_close(run["norms"], ref_norms, **norm_tol, msg=what)
+            steps = len(run["losses"])                         # the last `steps` of 01's (1 after --resume)
+            assert steps == (1 if "--resume" in extra else STEPS), what
+            torch.testing.assert_close(run["losses"], ref_losses[-steps:], **loss_tol, msg=what)
+            torch.testing.assert_close(run["norms"], ref_norms[-steps:], **norm_tol, msg=what)
             _, pp_rank, _, tp_rank = run["coords"]
             for name, local in run["state"].items():
                 local = torch.from_numpy(local)
@@ -123,25 +141,59 @@ def _check(flag_sets, per_rank):
             sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
             # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
             exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
-            assert {d: run["sent"][d] for d in exact} == {d: STEPS * sent[d] for d in exact}, what
+            assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
+            if layout.zero_stage:
+                _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
+                             what)
         assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
         if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
             logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
             torch.testing.assert_close(logged, ref_losses, **loss_tol)
 
 
+def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
+    """ZeRO-1 (03's formulas on 08's grid, e bytes per element): the AdamW states are 2eΨ/N, N = cp·dp (N/ep for
+    the experts): 1/N of plain DP's; in the dp groups, reduce-scatter and all-gather each move (N−1)/N of
+    this rank's parameter bytes (nothing is padded at these sizes) and the all-reduces only scalars: the
+    logged loss (float64) and the norm squares (two, and the experts' one)."""
+    n = layout.dp * layout.cp
+    n_expert = n // layout.ep
+    dense, expert = planner.stage_parameters(config, layout, pp_rank)
+    assert run["states"][2] == 2 * e * (dense // n + expert // n_expert), what
+    if not expert:
+        plain_dp = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN, mbs,
+                                        grad_acc, pp_rank)["optimizer"]
+        assert run["states"][2] * n == plain_dp, what
+    wire = {key: w for key, (_, _, w) in run["comm"].items()}
+    for op in ("reduce_scatter", "all_gather"):
+        assert wire[(op, "cp_dp")] == steps * (n - 1) * dense * e // n, (what, op)
+        assert wire.get((op, "expert_dp"), 0) == steps * (n_expert - 1) * expert * e // n_expert, (what, op)
+    scalars = wire[("all_reduce", "cp_dp")] + wire.get(("all_reduce", "dp"), 0)
+    assert scalars == steps * 2 * (n - 1) * (8 + 2 * e) // n, what
+    assert wire.get(("all_reduce", "expert_dp"), 0) == (expert > 0) * steps * 2 * (n_expert - 1) * e // n_expert, what
+
+
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
+ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
 EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log", JSON_LOG),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule", "zb-h1",
                       mbs=4),
                _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule",
                       "interleaved", "--pp-chunks", 2, mbs=4),
-               _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4)]
+               _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
+               _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 1)]
 FOUR_RANKS = [_flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2, "--recompute", "selective", mbs=4, grad_acc=3,
                      dtype="float64"),
               _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2, "--pp-schedule", "afab", mbs=4),
               _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
-              _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts", 4)]
+              _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts", 4),
+              _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS,
+                     "--checkpoint-every", 1, mbs=2, grad_acc=2),
+              _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS, "--resume",
+                     mbs=2, grad_acc=2),
+              _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--zero-stage", 1,
+                     grad_acc=4),
+              _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1)]
 
 
 @pytest.mark.timeout(300)
@@ -200,6 +252,9 @@ def _check_layout(*flags, world):
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
     (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
     (("--cp", 2, "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
+    (("--dp", 2, "--pp", 2, "--zero-stage", 2), 4, r"--zero-stage 2 is not composed in 08: .* use --zero-stage 1 "
+                                                    r"here, or 03_zero/train.py --zero-stage 2/3"),
+    (("--dp", 2, "--zero-stage", 3), 2, r"--zero-stage 3 is not composed in 08"),
 ])
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
     with pytest.raises(ValueError, match=message):
@@ -213,6 +268,11 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
     with pytest.raises(SystemExit):
         planner.main(common.argv("--tp", 3))                               # the planner uses the same rules
     assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        combined.main(common.argv("--zero-stage", 2))                      # the trainer composes ZeRO-1 only,
+    assert "use --zero-stage 1 here" in capsys.readouterr().err
+    planner.main(common.argv("--dp", 2, "--zero-stage", 3))                # the planner plans every stage
+    assert "zero-3" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()
 
 

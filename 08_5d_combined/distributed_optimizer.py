@@ -1,0 +1,122 @@
+"""ZeRO-1 in the 5D trainer (`--zero-stage 1`): the optimizer states sharded over the data-parallel ranks.
+
+Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"; seed digest C-4, C-6), Megatron-LM's
+distributed optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters: its tp
+shards of its stage's layers. The N = cp·dp ranks that hold the same ones (`cp_dp_group`) split them as
+03 does: 03's flat units (the embedding, each decoder layer, the final norm, the head of the stage chunks
+this rank holds), each padded to a multiple of N, of which rank r owns the slice r. AdamW (01's) steps
+only that slice, in the parameters' dtype (fp32 under bf16 autocast: 01's master weights), then the slices are
+all-gathered back into the model. Experts (07) live on fewer ranks: a second set of units, one per MoE
+block's experts, is sharded over the dp/ep ranks that hold them (`expert_dp_group`), where the gradient
+is the sum divided by dp (07's rule), not the mean. After the last micro-batch:
+
+    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N (experts: / dp)
+    -> clip by the whole model's norm        ->  AdamW on the shards  ->  all-gather (U/N,) -> (U,)
+
+The norm is the full model's, and nothing is counted twice. The shards of one rank's weights are
+disjoint pieces (summed over dp); the tp-sharded weights are disjoint pieces too (summed over tp),
+the tp-replicated ones are equal on every tp rank (counted once, as 04's `clip_grad_norm_tp` does); each
+expert lives on one ep rank (summed over ep, experts.py's rule); the stages hold disjoint layers:
+    ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖sharded‖² + Σ_dp ‖replicated‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
+
+Memory per rank (bytes, e per element, Ψ = this rank's padded parameters, 03's units): weights eΨ,
+gradients eΨ, AdamW states 2eΨ/N (experts: /(N/ep)). The planner's ZeRO-1 row (planner.py) counts the
+parameters without 03's padding (fewer than N elements per unit), which the test layouts do not need.
+Wire bytes per rank per step in the dp group (02's ring convention): reduce-scatter + all-gather
+2·(N−1)/N·eΨ, DP's all-reduce volume (03), plus the all-reduce of the two norm squares (sharded,
+replicated; one more for the experts over expert_dp). Checkpoints (01's checkpoint.py) hold each
+rank's parameters and its optimizer shard; --resume checks the layout, the zero stage included.
+
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
+
+New compared with 03: the units are the stages' modules, and the norm follows 04's and 07's rules.
+"""
+import dataclasses
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+zero = import_module("03_zero.zero")
+moe = import_module("07_expert_parallel.moe")
+
+
+def check_zero_stage(zero_stage: int):
+    """Before any process group: 08 composes ZeRO-1 only."""
+    if zero_stage > 1:
+        raise ValueError(f"--zero-stage {zero_stage} is not composed in 08: 03's stages 2-3 reduce-scatter (and "
+                         "stage 3 gathers) from hooks that fire once per unit per backward, while the pipeline "
+                         "schedules run one partial backward per micro-batch and chunk (ZB-H1 splits each into B "
+                         "and W) and SP sums the norm gradients over tp afterwards; use --zero-stage 1 here, or "
+                         "03_zero/train.py --zero-stage 2/3 (data parallelism alone)")
+
+
+def stage_units(stages):
+    """03's units (`llama_units`) for the stage chunks this rank holds, in forward order."""
+    units = []
+    for stage in stages:
+        units += [stage.model.embed_tokens] if stage.is_first else []
+        units += list(stage.model.layers.values())
+        units += [stage.model.norm, stage.lm_head] if stage.is_last else []
+    return units
+
+
+def is_tp_sharded(p):
+    return getattr(p, "tp_sharded", False)      # set by 04's sharding: a disjoint piece on each tp rank
+
+
+class DistributedOptimizer:
+    """ZeRO-1 over the process grid: dense units over cp×dp, expert units over expert_dp."""
+
+    def __init__(self, stages, grid, expert_view=None):
+        self.grid = grid
+        blocks = moe.moe_blocks(expert_view) if expert_view is not None else []
+        experts = [p for block in blocks for p in block.experts.parameters()]
+        self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage=1, exclude=experts)
+        self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage=1,
+                                  divisor=grid.dp_size) if experts else None)
+        self.zeros = [z for z in (self.dense, self.experts) if z is not None]
+
+    def make_optimizer(self, make):
+        """make(params) -> 01's AdamW over every shard; after each step all of them are all-gathered."""
+        optimizer = make([shard for z in self.zeros for shard in z.shards])
+        optimizer.register_step_post_hook(lambda *_: [z.gather_shards() for z in self.zeros])
+        return optimizer
+
+    def in_plan(self, plan, before_reduction=()):
+        """The TrainPlan with ZeRO-1's gradient path in place of DP's all-reduce and 04's norm."""
+        def forward_backward(model, micro_batches):
+            for z in self.zeros:
+                z.zero_gradients()                  # .grad of every parameter: a view of its unit's buffer
+            return plan.forward_backward(model, micro_batches)
+
+        def finish_gradients():
+            for sync in before_reduction:           # SP's norm gradients, summed over tp first
+                sync()
+            for z in self.zeros:
+                z.finish_gradients()                # reduce-scatter over the ranks with the same weights
+
+        return dataclasses.replace(plan, forward_backward=forward_backward, finish_gradients=finish_gradients,
+                                   clip_gradients=self.clip_gradients)
+
+    def clip_gradients(self, params, max_norm):
+        """01's clipping by the whole model's norm (the module docstring's sum), on the shards."""
+        grid = self.grid
+        squares = torch.stack([self.dense.shard_squares(is_tp_sharded),
+                               self.dense.shard_squares(lambda p: not is_tp_sharded(p))])
+        dist.all_reduce(squares, group=grid.cp_dp_group)                 # (2,): Σ over the dp shards
+        sharded = squares[0].clone()
+        dist.all_reduce(sharded, group=grid.tp_group)                    # (): Σ over the tp shards
+        total = sharded + squares[1]                                     # replicated: once
+        dist.all_reduce(total, group=grid.pp_group)                      # (): Σ over the stages
+        if self.experts is not None:                                     # experts.py's order of sums
+            expert_sq = self.experts.shard_squares()
+            dist.all_reduce(expert_sq, group=grid.expert_dp_group)       # (): Σ over the expert shards
+            dist.all_reduce(expert_sq, group=grid.ep_group)              # (): each expert once
+            dist.all_reduce(expert_sq, group=grid.pp_group)              # (): over the stages
+            total = total + expert_sq
+        norm = total.sqrt()
+        if max_norm > 0:   # torch.nn.utils.clip_grad_norm_'s coefficient
+            for z in self.zeros:
+                z.scale_gradients((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
