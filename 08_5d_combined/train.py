@@ -64,6 +64,7 @@ schedules = import_module("06_pipeline.schedules")
 pp_train = import_module("06_pipeline.train")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
+ep_train = import_module("07_expert_parallel.train")
 experts = import_module("08_5d_combined.experts")
 distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
 
@@ -137,7 +138,7 @@ def make_plan(args, grid, stages, pipe, norm_weights, zero1=None):
             clip_gradients=functools.partial(experts.clip_grad_norm_experts, grid=grid,
                                              expert_params=moe.split_parameters(view)[1]),
             global_loss=functools.partial(experts.sum_over_stages, device=base.device_of(args), grid=grid),
-            layout=layout)
+            flops_per_token=ep_train.moe_flops_per_token(args), layout=layout)   # MFU: the k experts a token uses
     else:
         plan = dataclasses.replace(
             plan,
