@@ -11,8 +11,9 @@ every degree 2: ranks 0,1 share a TP group; 0,2 a CP group; 0,4 a PP group; 0,8 
 Expert parallelism does not get a dimension of its own: it is carved out of data parallelism, as
 DeepSpeed-MoE and Megatron do (playbook §2.7: "EP as a sub-case of DP"). `ep` must divide `dp`; the
 ep consecutive DP ranks of a block hold different experts (the `ep_group`) and the dp/ep blocks
-replicate them (the `expert_dp_group`). Dense weights are averaged over the `cp_dp_group`, since
-context-parallel ranks see different tokens of the same samples, exactly like DP ranks.
+replicate them, as do the cp ranks (the `expert_dp_group`, cp·dp/ep ranks). Dense weights are averaged
+over the `cp_dp_group`, since context-parallel ranks see different tokens of the same samples, exactly
+like DP ranks.
 
 Every group of every dimension is created on every rank, in the same order, as torch.distributed
 requires; a rank keeps the ones it belongs to in a frozen dataclass that is passed explicitly.
@@ -65,7 +66,7 @@ class ProcessGrid:
     tp_group: object
     cp_dp_group: object        # dense-weight gradients are averaged over these ranks
     ep_group: object           # ranks that hold different experts
-    expert_dp_group: object    # ranks that hold the same experts
+    expert_dp_group: object    # ranks that hold the same experts (over dp/ep and cp)
     pp_ranks: tuple            # global ranks of this rank's pipeline, stage 0 first
 
     @property
@@ -98,11 +99,11 @@ def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: i
     grid = grid_layout(world, dp, pp, cp, tp, ep)
     DP, PP, CP, TP = 0, 1, 2, 3
     mine = {}
-    # The grid with dp split into (dp/ep, ep) for the expert groups.
+    # The grid with dp split into (dp/ep, ep) for the expert groups; cp ranks hold the same experts.
     expert_grid = grid.view(dp // ep, ep, pp, cp, tp)
     for name, source, dims in (("dp", grid, (DP,)), ("pp", grid, (PP,)), ("cp", grid, (CP,)),
                                ("tp", grid, (TP,)), ("cp_dp", grid, (DP, CP)),
-                               ("ep", expert_grid, (1,)), ("expert_dp", expert_grid, (0,))):
+                               ("ep", expert_grid, (1,)), ("expert_dp", expert_grid, (0, 3))):
         for ranks in _groups_along(source, dims):
             group = dist.new_group(ranks)  # collective over the world: every rank creates every group
             if rank in ranks:

@@ -34,6 +34,9 @@ is replicated as in DP. Gradients (the loss is L = (1/dp)·Σ_r L_r, the mean of
     expert weights  backward through the all-to-alls already gives the owner Σ_{r in ep group} ∇L_r;
                     the dp/ep replicas (`expert_dp_group`) hold disjoint ep groups' sums, so
                     ∇L = (1/dp)·Σ_{expert_dp} — a sum, then 1/dp (not 1/(dp/ep), the group's size)
+Under 08's context parallelism the replicas are cp·dp (L = (1/(cp·dp))·Σ_{c,d} L_{c,d}); the cp ranks of
+one dp rank hold the same experts in different ep groups (expert_dp spans cp too), so: dense averaged
+over cp_dp, experts summed over expert_dp (cp·dp/ep ranks) and divided by cp·dp. Here cp = 1.
 Errata: the cheat-sheet's "BP"/"ep: context parallelism" mean expert parallelism (E2); DeepSeek-V3
 trains with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP, without TP (E3).
 
@@ -130,16 +133,18 @@ def apply_expert_parallel(model, grid):
 
 def make_finish_gradients(model, grid):
     """The TrainPlan's finish_gradients: dense weights averaged over dp, expert weights summed over
-    expert_dp and divided by dp (the derivation in the module docstring)."""
+    expert_dp and divided by dp (the derivation in the module docstring; 08: cp_dp and cp·dp)."""
     dense, experts = moe.split_parameters(model)
+    dense_group = grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group
+    replicas = grid.cp_size * grid.dp_size
 
     def finish_gradients():
-        data_parallel.average_gradients(dense, grid.dp_group)
+        data_parallel.average_gradients(dense, dense_group)
         if dist.get_world_size(grid.expert_dp_group) > 1:
             for p in experts:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
         for p in experts:
-            p.grad.div_(grid.dp_size)
+            p.grad.div_(replicas)
     return finish_gradients
 
 

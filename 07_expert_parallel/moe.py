@@ -22,7 +22,8 @@ depend on which sequences share a micro-batch, so data parallelism or gradient a
 change the loss unless f and P were all-reduced over ranks and micro-batches (impossible across
 micro-batches whose backward has already run). Per sequence, the mean over the global batch is the
 same however it is split: every micro-batch holds whole sequences and the same number of them.
-(Context parallelism would split a sequence; its f and P would then need a sum over cp.)
+Context parallelism (08) splits each sequence over the cp ranks: a block's `stats_group` (None here)
+makes it sum the counts and Σ_t p_i(t) over that group before forming f and P (`SumOverRanks`).
 
 API (used by 07's train.py and available to 08):
     apply_moe(model, num_experts, top_k, aux_loss_coef, seed, upcycle=False) -> list of MoE blocks
@@ -40,6 +41,7 @@ N = B·T tokens, n rows (token-choices) = N·k.
 from importlib import import_module
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
@@ -55,14 +57,48 @@ def run_experts(experts, rows, counts):
     return torch.cat([expert(chunk) for expert, chunk in zip(experts.values(), chunks)])
 
 
-def load_balancing_loss(probs, chosen):
-    """Per-sequence E·Σ_i f_i·P_i, averaged over sequences. probs (B, T, E), chosen (B, T, k) -> ()."""
+class SumOverRanks(torch.autograd.Function):
+    """Forward: x summed over `group`; backward: the gradient summed over `group` too.
+
+    Why the backward sums (08: every rank of a cp group holds T/cp tokens of the same sequences): the
+    summed S = Σ_c s_c feeds an identical aux on each of the cp ranks, and 08 averages gradients over the
+    cp·dp replicas, i.e. differentiates L = (1/(cp·dp))·Σ_{c,d} L_{c,d}. Rank c's own s_c reaches every
+    copy, so ∂L/∂s_c = (1/(cp·dp))·Σ_{c'} ∂L_{c'}/∂S: the sum over the group of the gradients arriving
+    at S (the 1/(cp·dp) is 08's averaging). An identity backward (04's reduce region) would give the
+    router 1/cp of its aux gradient; the test against one device tells the two apart.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def load_balancing_loss(probs, chosen, stats_group=None):
+    """Per-sequence E·Σ_i f_i·P_i, averaged over sequences. probs (B, T, E), chosen (B, T, k) -> ().
+
+    With a `stats_group` each rank holds T/cp tokens of every sequence (probs (B, T/cp, E)): the
+    statistics are summed over the group first, so every rank gets the whole sequences' aux.
+    """
     B, T, E = probs.shape
     k = chosen.shape[-1]
     ones = probs.new_ones(B, T * k)
     routed = probs.new_zeros(B, E).scatter_add_(1, chosen.view(B, T * k), ones)   # (B, E) choices per expert
+    prob_sum = probs.sum(dim=1)                                              # (B, E)
+    if stats_group is not None:
+        dist.all_reduce(routed, group=stats_group)                           # (B, E) whole sequences; no gradient
+        prob_sum = SumOverRanks.apply(prob_sum, stats_group)                 # (B, E)
+        T = T * dist.get_world_size(stats_group)                             # the whole sequence's tokens
     f = routed / (T * k)                                                     # (B, E), rows sum to 1
-    P = probs.mean(dim=1)                                                    # (B, E)
+    P = prob_sum / T                                                         # (B, E)
     return E * (f * P).sum(-1).mean()
 
 
@@ -76,6 +112,7 @@ class MoE(nn.Module):
         # A dict keyed by the global expert index: under EP a rank keeps a few, under their global names.
         self.experts = nn.ModuleDict({str(e): modeling.MLP(config) for e in range(num_experts)})
         self.experts_fn = run_experts                                      # EP swaps in the all-to-all
+        self.stats_group = None             # 08's cp group: the ranks that split each sequence's tokens
         self.aux_loss = None                                                 # set by every forward
 
     @property
@@ -93,7 +130,7 @@ class MoE(nn.Module):
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # bf16 -> fp32
         top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
         weights = top_p / top_p.sum(dim=-1, keepdim=True)                    # (B, T, k), Σ_k = 1
-        self.aux_loss = load_balancing_loss(probs, chosen)
+        self.aux_loss = load_balancing_loss(probs, chosen, self.stats_group)
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
         counts = expert_of_row.bincount(minlength=self.num_experts)          # (E,)

@@ -7,10 +7,10 @@ shards of its stage's layers. The N = cp·dp ranks that hold the same ones (`cp_
 this rank holds), each padded to a multiple of N, of which rank r owns the slice r. AdamW (01's) steps
 only that slice, in the parameters' dtype (fp32 under bf16 autocast: 01's master weights), then the slices are
 all-gathered back into the model. Experts (07) live on fewer ranks: a second set of units, one per MoE
-block's experts, is sharded over the dp/ep ranks that hold them (`expert_dp_group`), where the gradient
-is the sum divided by dp (07's rule), not the mean. After the last micro-batch:
+block's experts, is sharded over the N/ep ranks that hold them (`expert_dp_group`: dp/ep and cp), where
+the gradient is the sum divided by N (07's rule), not the mean. After the last micro-batch:
 
-    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N (experts: / dp)
+    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N (experts too)
     -> clip by the whole model's norm        ->  AdamW on the shards  ->  all-gather (U/N,) -> (U,)
 
 The norm is the full model's, and nothing is counted twice. The shards of one rank's weights are
@@ -74,7 +74,7 @@ class DistributedOptimizer:
         experts = [p for block in blocks for p in block.experts.parameters()]
         self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage=1, exclude=experts)
         self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage=1,
-                                  divisor=grid.dp_size) if experts else None)
+                                  divisor=grid.cp_size * grid.dp_size) if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
 
     def make_optimizer(self, make):

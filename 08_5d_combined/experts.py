@@ -3,22 +3,33 @@
 Playbook §2.7-2.8; Megatron-core's MoE (its `MoEAuxLossAutoScaler` is the idea of `AttachAuxLoss`).
 07 builds the MoE blocks (`moe.apply_moe`), shards the experts over the ep ranks carved out of dp
 (`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`make_finish_gradients`).
-Three things do not carry over to pipeline stages and tensor parallelism, and are done here:
+What does not carry over to pipeline stages, tensor and context parallelism is done here:
 
   * the load-balancing loss α·Σ_layers aux is added by a hook on the whole model's forward, which
     stages never call. Each stage adds its own blocks' aux instead: to the loss on the last stage;
     on the others through `AttachAuxLoss`, which passes the activations on unchanged and gives aux the
     gradient 1/m (the 1/m every micro-batch's loss gets), so every router learns as on one device;
   * the logged loss is then the sum over the stages (cross-entropy + the last stage's aux, plus every
-    other stage's aux), averaged over the dp replicas;
+    other stage's aux), averaged over the cp×dp replicas;
+  * under CP each rank holds T/cp tokens of every sequence, while the load-balancing statistics are
+    per sequence (moe.py): every block's `stats_group` is the cp group, so f's counts and P's sums are
+    summed over it (P's with an all-reduce in backward too: `moe.SumOverRanks` derives it) and every
+    cp rank adds the whole sequences' aux. The router and the experts work token by token, so the
+    MoE output needs nothing new; the all-to-all runs in ep groups of one cp rank each (02's grid);
   * the gradient norm: ‖g‖² = ‖dense‖² (04's: tp shards summed once, stages summed)
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are not split: every tp rank holds the same input rows, runs the
 same experts and gets the same gradients, like the norm weights (Megatron's expert-TP = 1).
-Not composed: --sp and --cp, which split every sequence over ranks, while the load-balancing
-statistics are per sequence (moe.py) and the expert gradients would need sums over those ranks too.
+Gradients under CP (07's `make_finish_gradients` with the cp·dp replicas): the loss is
+L = (1/(cp·dp))·Σ_{c,d} L_{c,d}; an expert's owner already holds Σ over its ep group (one cp rank),
+and the cp ranks of one dp rank hold the same experts (`expert_dp` spans dp/ep and cp), so
+∇L = (1/(cp·dp))·Σ_{expert_dp}: the dense rule (mean over cp·dp) with 07's sum-then-divide.
+Not composed: --sp. The MoE block replaces the MLP together with TP's regions, so under SP each tp
+rank's block would see only its T/(cp·tp) tokens: the router's and experts' gradients would be partial
+sums over tp (SP syncs only the norm weights) and the statistics would need the tp group too.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
+    torchrun --nproc_per_node 4 08_5d_combined/train.py --dp 2 --ep 2 --cp 2 --cp-layout zigzag --num-experts 4
 """
 from importlib import import_module
 
@@ -47,17 +58,21 @@ def check_experts(args):
         return
     moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef)
     expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
-    if args.sp or args.cp > 1:
-        raise ValueError("--num-experts with --sp or --cp > 1 is not supported: they split every sequence over "
-                         "ranks, while the load-balancing statistics are per sequence; drop --sp/--cp")
+    if args.sp:
+        raise ValueError("--num-experts with --sp is not supported: each tp rank's MoE block would see only its "
+                         "T/tp tokens, so router and expert gradients would be partial sums over tp; drop --sp "
+                         "(--tp and --cp compose with experts)")
 
 
 def apply_experts(full, args, grid):
-    """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; returns the blocks."""
+    """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; under CP, the
+    load-balancing statistics summed over the cp group; returns the blocks."""
     blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,
                            upcycle=bool(args.init_from))   # its loss hook is on `full`, which stages never call
     if grid.ep_size > 1:
         expert_parallel.apply_expert_parallel(full, grid)
+    for block in blocks:
+        block.stats_group = grid.cp_group if grid.cp_size > 1 else None
     return blocks
 
 
@@ -124,8 +139,8 @@ def clip_grad_norm_experts(params, max_norm, grid, expert_params):
 
 def sum_over_stages(loss, device, grid):
     """Every stage's share of the loss (the last: cross-entropy and its aux; the others: their aux),
-    summed over the pipeline and averaged over the dp replicas: the global batch's loss."""
+    summed over the pipeline and averaged over the cp×dp replicas: the global batch's loss."""
     loss = torch.tensor(float(loss), dtype=torch.float64, device=device)
     dist.all_reduce(loss, group=grid.pp_group)
-    dist.all_reduce(loss, group=grid.dp_group)
-    return float(loss / grid.dp_size)
+    dist.all_reduce(loss, group=grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group)
+    return float(loss / (grid.cp_size * grid.dp_size))

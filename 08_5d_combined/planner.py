@@ -26,6 +26,9 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
           W of o_proj and down_proj, m·2·L_r·(t−1)/t·b·s_r·h·e
       cp  ring: m·L_r·(3cp − 2 [+ cp − 1 recomputed])·2·b·s_r·(h_kv/t)·max(e, 4)   (05, fp32 blocks)
           ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
+          + with experts, the load-balancing statistics (07's moe.py, in fp32 or fp64): all-reduces of
+          (b, E) counts and probability sums forward, of the sums' gradient backward (α > 0; the forward's
+          two again under full recompute), m·L_r·(3 [+2])·2(cp−1)/cp·b·E·4 (fp64: 8)
       pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
       dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
           (+ with ZeRO, the all-reduce of the shards' two norm squares; one more for the experts)
@@ -169,6 +172,9 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
         comm["cp"] = m * layers * passes * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
     else:
         comm["cp"] = 0
+    if cp > 1 and layout.num_experts:   # f's counts and P's sums, (b, E) each, and P's gradient, per MoE layer
+        calls = 3 + 2 * (layout.recompute == "full")
+        comm["cp"] += m * layers * calls * ring(cp, mbs * layout.num_experts * norm_bytes)
     # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
     boundary = tokens // (t if layout.sp else 1) * h * e
     logged = ring(p, 8) + scalar(p) if layout.num_experts else (p - 1) * 8 // p   # loss summed / broadcast

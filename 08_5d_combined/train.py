@@ -10,10 +10,11 @@ model from outside, in this order (each step needs the previous one's result):
     2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
     3. CP           --cp/--cp-layout (05): ring attention (or --cp-attn ulysses) replaces the core
        MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
+                    (under CP their load-balancing statistics are summed over the cp group)
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
     6. DP           --dp (02): gradients averaged over the cp×dp ranks after the last micro-batch
-                    (with experts, 07's: dense over dp, experts summed over the dp/ep replicas)
+                    (with experts, 07's: dense over cp×dp, experts summed over the cp·dp/ep replicas, /(cp·dp))
        ZeRO-1       --zero-stage 1 (03, via distributed_optimizer.py): instead, reduce-scattered over
                     those ranks, AdamW on this rank's 1/N of the states, the parameters all-gathered
 
@@ -36,7 +37,7 @@ It prints the memory per rank (per pipeline stage), one line or bar per step, th
 first rank of each stage per process group, and the bubble of the last step.
 
 Not composed here: ZeRO-2 and -3 (the planner does their arithmetic; `check_zero` says why), and experts
-with --sp or --cp (experts.py says why).
+with --sp (experts.py says why; experts with --cp sum their load-balancing statistics over the cp group).
 """
 import sys
 from pathlib import Path

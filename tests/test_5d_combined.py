@@ -8,10 +8,14 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
-             dp2 (ep2) × pp2 with zb-h1 and 4 experts;
+             dp2 (ep2) × pp2 with zb-h1 and 4 experts; experts under CP, 4 each: cp2 zig-zag × pp2 with full
+             recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
+             statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
+             backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; dp4 (ep2) with
-             4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp)
+             4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
+             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp))
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -187,13 +191,17 @@ FOUR_RANKS = [_flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2, "--recom
               _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2, "--pp-schedule", "afab", mbs=4),
               _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
               _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts", 4),
+              _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4, "--recompute", "full"),
+              _flags("--cp", 2, "--dp", 2, "--ep", 2, "--num-experts", 4),
               _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS,
                      "--checkpoint-every", 1, mbs=2, grad_acc=2),
               _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS, "--resume",
                      mbs=2, grad_acc=2),
               _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--zero-stage", 1,
                      grad_acc=4),
-              _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1)]
+              _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
+              _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2, "--num-experts", 4,
+                     "--zero-stage", 1)]
 
 
 @pytest.mark.timeout(300)
@@ -250,8 +258,8 @@ def _check_layout(*flags, world):
     (("--dp", 2, "--ep", 2), 2, r"--ep 2 splits experts: it needs --num-experts"),
     (("--dp", 3, "--ep", 3, "--num-experts", 4), 3, r"ep=3 does not divide num_experts=4"),
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
-    (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
-    (("--cp", 2, "--num-experts", 4), 2, r"--num-experts with --sp or --cp > 1 is not supported"),
+    (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp is not supported: .* drop --sp"),
+    (("--tp", 2, "--sp", "--cp", 2, "--num-experts", 4), 4, r"--num-experts with --sp is not supported"),
     (("--dp", 2, "--pp", 2, "--zero-stage", 2), 4, r"--zero-stage 2 is not composed in 08: .* use --zero-stage 1 "
                                                     r"here, or 03_zero/train.py --zero-stage 2/3"),
     (("--dp", 2, "--zero-stage", 3), 2, r"--zero-stage 3 is not composed in 08"),
@@ -259,6 +267,11 @@ def _check_layout(*flags, world):
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
     with pytest.raises(ValueError, match=message):
         _check_layout(*flags, world=world)
+
+
+def test_experts_with_context_parallelism_are_accepted():
+    _check_layout("--cp", 2, "--num-experts", 4, world=2)                 # no longer refused
+    _check_layout("--cp", 2, "--dp", 2, "--ep", 2, "--tp", 2, "--num-experts", 4, world=8)
 
 
 def test_main_exits_with_the_message_and_no_process_group(capsys):
