@@ -71,26 +71,32 @@ def context_parallel_forward_backward(layout, cp_rank):
     return forward_backward
 
 
+def parallelize(model, args, grid):
+    """TP (+SP) first, then CP (the order of picotron's train.py), in place; 08 applies it too.
+    Returns the norm weights SP keeps replicated, whose gradients must be summed over tp."""
+    norm_weights = []
+    if args.sp:
+        norm_weights = sequence_parallel.apply_sequence_parallel(model, grid)
+    elif args.tp > 1:
+        tensor_parallel.apply_tensor_parallel(model, grid)
+    if args.cp > 1:
+        apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
+        apply(model, context_parallel.CPLayout(args.cp_layout, args.cp), grid.cp_group)
+    return norm_weights
+
+
 def run(args, config):
     grid = process_grid.init_distributed(args.device, dp=args.dp, cp=args.cp, tp=args.tp)
     layout = context_parallel.CPLayout(args.cp_layout, args.cp)
     norm_weights = []
-
-    def parallelize(model):  # the order of picotron's train.py: TP (+SP) first, then CP
-        if args.sp:
-            norm_weights.extend(sequence_parallel.apply_sequence_parallel(model, grid))
-        elif args.tp > 1:
-            tensor_parallel.apply_tensor_parallel(model, grid)
-        if args.cp > 1:
-            apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
-            apply(model, layout, grid.cp_group)
 
     plan_kw = {}
     if args.cp > 1:
         plan_kw["forward_backward"] = context_parallel_forward_backward(layout, grid.cp_rank)
     if args.sp:
         plan_kw["before_averaging"] = [lambda: sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)]
-    return tp_train.run_parallel(args, config, grid, parallelize,
+    apply_layout = lambda model: norm_weights.extend(parallelize(model, args, grid))  # noqa: E731
+    return tp_train.run_parallel(args, config, grid, apply_layout,
                                  activation_layout={"tp": args.tp, "sp": args.sp, "cp": args.cp}, **plan_kw)
 
 

@@ -58,7 +58,6 @@ tp_train = import_module("04_tensor_parallel.train")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-ulysses = import_module("05_sequence_context_parallel.ulysses")
 cp_train = import_module("05_sequence_context_parallel.train")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
@@ -96,13 +95,7 @@ def check_degrees(args, config):
 
 def parallelize(full, args, grid):
     """Steps 2-5 of the docstring on the full model; returns (stages, norm weights SP must sync)."""
-    if args.sp:                                                            # 2. TP + SP
-        sequence_parallel.apply_sequence_parallel(full, grid)
-    elif args.tp > 1:                                                      # 2. TP
-        tensor_parallel.apply_tensor_parallel(full, grid)
-    if args.cp > 1:                                                        # 3. CP
-        apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
-        apply(full, context_parallel.CPLayout(args.cp_layout, args.cp), grid.cp_group)
+    cp_train.parallelize(full, args, grid)                                 # 2. TP (+ SP), 3. CP (05)
     if args.num_experts:                                                   # 3b. MoE, EP (07)
         experts.apply_experts(full, args, grid)
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)   # 4. PP
