@@ -148,13 +148,19 @@ def make_finish_gradients(model, grid):
     return finish_gradients
 
 
-def clip_grad_norm_ep(params, max_norm, expert_params, ep_group):
-    """torch's clip_grad_norm_ on the whole model: ‖g‖² = ‖dense‖² + Σ_ep ‖this rank's experts‖²."""
+def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None, pp_group=None):
+    """torch's clip_grad_norm_ on the whole model: ‖g‖² = ‖dense‖² + Σ_ep ‖this rank's experts‖².
+
+    08 passes `dense_norm` (04's rule: tp shards summed, stages summed) and `pp_group` (its stages hold
+    different experts); by default the dense weights are whole and there is one stage."""
     expert_ids = {id(p) for p in expert_params}
-    dense_norm = torch.nn.utils.get_total_norm([p.grad for p in params
-                                                 if p.grad is not None and id(p) not in expert_ids])
+    dense = [p for p in params if id(p) not in expert_ids]
+    dense_norm = (dense_norm or (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps
+                                                                            if p.grad is not None])))(dense)
     expert_sq = torch.nn.utils.get_total_norm([p.grad for p in expert_params]).pow(2)
     dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=ep_group)        # (): Σ over the ep group's experts
+    if pp_group is not None:
+        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=pp_group)    # (): Σ over the stages
     total = (dense_norm.pow(2) + expert_sq).sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
     return total

@@ -123,18 +123,11 @@ def stage_view(stages):
 
 
 def clip_grad_norm_experts(params, max_norm, grid, expert_params):
-    """01's clipping by the whole model's norm: 04's norm of the dense part, plus the experts'."""
-    experts = {id(p) for p in expert_params}
-    dense_norm = tensor_parallel.clip_grad_norm_tp([p for p in params if id(p) not in experts], 0, grid.tp_group,
-                                                   pp_group=grid.pp_group)    # max_norm 0: only the norm
-    dtype = torch.promote_types(dense_norm.dtype, torch.float32)
-    expert_sq = sum((p.grad.to(dtype).pow(2).sum() for p in expert_params if p.grad is not None),
-                    torch.zeros((), dtype=dtype, device=dense_norm.device))
-    dist.all_reduce(expert_sq, group=grid.ep_group)                           # (): each expert once
-    dist.all_reduce(expert_sq, group=grid.pp_group)                           # (): over the stages
-    total = (dense_norm.to(dtype).pow(2) + expert_sq).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm > 0 else float("inf"), total)
-    return total
+    """01's clipping by the whole model's norm: 07's rule with 04's norm of the dense part and the stages."""
+    def dense_norm(dense):   # max_norm 0: only the norm, 07 clips everything together
+        return tensor_parallel.clip_grad_norm_tp(dense, 0, grid.tp_group, pp_group=grid.pp_group)
+    return expert_parallel.clip_grad_norm_ep(params, max_norm, expert_params, grid.ep_group, dense_norm=dense_norm,
+                                             pp_group=grid.pp_group)
 
 
 def sum_over_stages(loss, device, grid):
