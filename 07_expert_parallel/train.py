@@ -35,15 +35,22 @@ moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
 
 
-def build_parser(description):
-    p = cli.core_parser(description)
-    g = p.add_argument_group("mixture of experts and expert parallelism")
-    g.add_argument("--num-experts", type=int, default=4, help="experts per MoE layer (every layer is MoE)")
+def add_moe_arguments(parser, num_experts=4):
+    """--num-experts --top-k --aux-loss-coef --ep (also 08's, where 0 experts is the dense Llama)."""
+    g = parser.add_argument_group("mixture of experts and expert parallelism (07)")
+    g.add_argument("--num-experts", type=int, default=num_experts,
+                   help="experts per MoE layer (every layer is MoE; 0 in 08: the dense Llama)")
     g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to (Mixtral: 2)")
     g.add_argument("--aux-loss-coef", type=float, default=0.01,
                    help="α of the per-sequence load-balancing loss added to the cross-entropy (Switch: 0.01)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree: ranks that split the global batch")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel degree: dp ranks that split the experts")
+    return g
+
+
+def build_parser(description):
+    p = cli.core_parser(description)
+    g = add_moe_arguments(p)
+    g.add_argument("--dp", type=int, default=1, help="data-parallel degree: ranks that split the global batch")
     return p
 
 

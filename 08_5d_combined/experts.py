@@ -40,14 +40,12 @@ from torch import nn
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
+ep_train = import_module("07_expert_parallel.train")
 
 
 def add_arguments(parser):
-    g = parser.add_argument_group("mixture of experts and expert parallelism (07)")
-    g.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: the dense Llama)")
-    g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to")
-    g.add_argument("--aux-loss-coef", type=float, default=0.01, help="α of the per-sequence load-balancing loss")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel degree: dp ranks that split the experts")
+    """07's flags, with no experts by default."""
+    ep_train.add_moe_arguments(parser, num_experts=0)
 
 
 def check_experts(args):
