@@ -60,6 +60,9 @@ def check_experts(args):
         raise ValueError("--num-experts with --sp is not supported: each tp rank's MoE block would see only its "
                          "T/tp tokens, so router and expert gradients would be partial sums over tp; drop --sp "
                          "(--tp and --cp compose with experts)")
+    if args.init_from and args.tp > 1:
+        raise ValueError("--init-from with --num-experts and --tp > 1: upcycling copies each dense MLP into the "
+                         "experts, which TP keeps whole, after TP has split that MLP; upcycle with --tp 1")
 
 
 def apply_experts(full, args, grid):

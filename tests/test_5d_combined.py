@@ -269,6 +269,15 @@ def test_bad_layouts_fail_before_any_process_group(flags, world, message):
         _check_layout(*flags, world=world)
 
 
+def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
+    """--init-from a dense checkpoint copies its MLPs into the experts, which TP would already have split."""
+    hf_io = import_module("01_single_gpu.hf_io")
+    args = combined.base.cli.parse_args(combined.build_parser(), common.argv())
+    hf_io.save_hf(combined.base.build_model(args, combined.tp_train.config_of(args)), tmp_path)
+    with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
+        _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)
+
+
 def test_experts_with_context_parallelism_are_accepted():
     _check_layout("--cp", 2, "--num-experts", 4, world=2)                 # no longer refused
     _check_layout("--cp", 2, "--dp", 2, "--ep", 2, "--tp", 2, "--num-experts", 4, world=8)
