@@ -5,7 +5,9 @@ al. 2021 §2.2; DeepSeek-V3 §2.1.2). For each token x (C,):
 
     p = softmax(x · Wgᵀ)                 (E,)   router probabilities (`mlp.gate`), in float32
     S = top-k indices of p               the k experts this token is sent to
-    w_e = p_e / Σ_{j∈S} p_j              Mixtral renormalises the k chosen probabilities to sum to 1
+    w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2)     Mixtral renormalises the k chosen probabilities to sum to 1
+    w_e = p_e                (k = 1)     Switch (§2.1): renormalising one probability would give 1 and
+                                         leave the router no gradient from the task loss
     y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP: down(silu(gate(x)) · up(x))
 
 Dropless: every token reaches its k experts whatever the load (no capacity factor, no dropped
@@ -129,7 +131,8 @@ class MoE(nn.Module):
         logits = self.gate(x)                                                # (B, T, E)
         probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # bf16 -> fp32
         top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
-        weights = top_p / top_p.sum(dim=-1, keepdim=True)                    # (B, T, k), Σ_k = 1
+        # (B, T, k): Mixtral's renormalised weights, Σ_k = 1; Switch's raw probability when k = 1
+        weights = top_p if self.top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
         self.aux_loss = load_balancing_loss(probs, chosen, self.stats_group)
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
@@ -173,7 +176,8 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
     model), in a fixed order, on every rank alike: one rank and many build the same E experts, and
     expert parallelism then keeps a slice. `upcycle=True` (sparse upcycling, Komatsuzaki et al.
     2022) copies the layer's trained MLP into every expert instead, so the block starts as exactly
-    that MLP (the k weights sum to 1); used with --init-from a dense checkpoint.
+    that MLP for k ≥ 2 (the k weights sum to 1; for k = 1 it starts as p_e times that MLP, Switch's
+    weighting); used with --init-from a dense checkpoint.
     The experts inherit the MLP's act_fn (--kernels triton).
     """
     check_moe(num_experts, top_k, aux_loss_coef)

@@ -104,6 +104,30 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     assert "experts.3.down_proj.weight" in dict(a[0].named_parameters())
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_router_learns_from_the_task_loss(k):
+    """The router's gradient from the task loss alone (no aux loss) is non-zero and equals the
+    hand-written block's: Switch's y = p_e·expert_e(x) for k = 1 (renormalising one probability would
+    make it 1 and cut the router off), Mixtral's y = Σ_S p_e/Σ_S p_j·expert_e(x) for k ≥ 2. float64, the
+    same operations in another order: 1e-12."""
+    block = moe.MoE(LAYER, E, k).double()
+    x = layer_inputs(1)[0][0]                                                 # (1, 5, C)
+    grad_out = torch.randn_like(x)
+    (block(x) * grad_out).sum().backward()
+    ours = block.gate.weight.grad.clone()
+    block.zero_grad()
+    probs = block.gate(x).softmax(-1)                                         # (1, 5, E)
+    top_p, top_e = probs.topk(k, dim=-1)
+    weights = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[1]):
+        for w, e in zip(weights[0, t], top_e[0, t]):
+            expected[0, t] += w * block.experts[str(int(e))](x[0, t])
+    (expected * grad_out).sum().backward()
+    assert ours.abs().sum() > 1e-3
+    torch.testing.assert_close(ours, block.gate.weight.grad, **EXACT)
+
+
 def test_aux_loss_gradient_survives_full_recompute():
     """The aux loss leaves the checkpointed layer as a side output: the gradients must not change."""
     recompute = import_module("01_single_gpu.recompute")
