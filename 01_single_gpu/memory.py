@@ -2,16 +2,19 @@
 
 Playbook §2.1.1 and ZeRO §3. Model states are measured from the tensors that really exist on the
 rank (so a sharded run reports its shard); activations are estimated with the playbook's formula
-(Korthikanti et al.), and can be measured exactly on any device with `saved_activation_bytes`,
-which adds up what autograd stores for the backward pass. On a GPU the allocator's peak is
-reported too.
+(Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`, which follows what
+autograd stores for the backward pass (its peak over a training step is what the trainers print
+after their first step). On a GPU the allocator's peak is reported too.
 
-Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1, seed digest SG-9),
-for sequence s, micro-batch b, hidden h, heads a, tensor-parallel t, context-parallel c (s → s/c):
-    none           s·b·h·(34 + 5·a·s/h)          TP only     s·b·h·(10 + 24/t + 5·a·s/(h·t))
-    TP + SP        s·b·h·(34 + 5·a·s/h)/t        selective   34·s·b·h (/t with TP+SP)
-    full           2·s·b·h
-scaled by bytes_per_element/2 for other dtypes. It is an estimate for a GPT block with dropout;
+Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1, seed digest SG-9;
+Korthikanti et al. Table 2), for sequence s, micro-batch b, hidden h, heads a, tensor-parallel t,
+context-parallel c (s → s/c):
+    recompute   no TP                  TP (t ranks)                    TP + SP
+    none        s·b·h·(34 + 5·a·s/h)   s·b·h·(10 + 24/t + 5·a·s/(h·t))  s·b·h·(34 + 5·a·s/h)/t
+    selective   34·s·b·h               s·b·h·(10 + 24/t)               34·s·b·h/t
+    full        2·s·b·h                2·s·b·h                         2·s·b·h
+(selective drops the 5·a·s/h attention term: the scores, softmax and its dropout mask are recomputed).
+Scaled by bytes_per_element/2 for other dtypes. It is an estimate for a GPT block with dropout;
 the Llama block here has no dropout masks, so the measured bytes are somewhat lower.
 """
 from dataclasses import dataclass
@@ -32,34 +35,61 @@ def optimizer_state_bytes(optimizer) -> int:
 def activation_bytes_estimate(config, mbs: int, seq_len: int, bytes_per_element: int, recompute: str = "none",
                               tp: int = 1, sp: bool = False, cp: int = 1) -> int:
     s, b, h, a = seq_len // cp, mbs, config.hidden_size, config.num_attention_heads
+    attention_scores = 0 if recompute == "selective" else 5 * a * s / h        # the quadratic term
     if recompute == "full":
         per_layer = 2 * s * b * h
-    elif recompute == "selective":
-        per_layer = 34 * s * b * h / (tp if sp else 1)
     elif sp:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / tp
-    else:
-        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        per_layer = s * b * h * (34 + attention_scores) / tp
+    else:   # without SP the norm and dropout regions (10·s·b·h) are replicated on every tp rank
+        per_layer = s * b * h * (10 + 24 / tp + attention_scores / tp)
     return int(config.num_hidden_layers * per_layer * bytes_per_element / 2)
+
+
+class _Saved:
+    """What autograd keeps instead of a saved tensor while the meter is on; its deletion (the graph
+    freed by backward) tells the meter the storage may be gone."""
+    __slots__ = ("tensor", "release")
+
+    def __init__(self, tensor, release):
+        self.tensor, self.release = tensor, release
+
+    def __del__(self):
+        self.release()
 
 
 class saved_activation_bytes(saved_tensors_hooks):
     """`with saved_activation_bytes() as m: loss = model(x, y)` -> m.bytes saved for backward.
 
     Each storage is counted once (views of the same tensor share it) and parameters are excluded,
-    since they are model states, not activations.
+    since they are model states, not activations. `m.bytes` adds up every storage ever saved;
+    `m.peak` is the most that was held at once, which over a whole training step (forward and
+    backward of every micro-batch, a pipeline's held micro-batches) is the activation memory.
     """
 
     def __init__(self, exclude=()):
-        self.bytes, self._seen = 0, {p.untyped_storage().data_ptr() for p in exclude}
+        self.bytes, self.live, self.peak = 0, 0, 0
+        self._seen, self._refs = set(), {}
+        exclude = list(exclude)   # looked up at each save: ZeRO-3 re-allocates parameter storage
+
+        def release(key, nbytes):
+            self._refs[key] -= 1
+            if self._refs[key] == 0:
+                del self._refs[key]
+                self.live -= nbytes
 
         def pack(t):
-            key = t.untyped_storage().data_ptr()
+            key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if any(key == p.untyped_storage().data_ptr() for p in exclude):
+                return t
             if key not in self._seen:
                 self._seen.add(key)
-                self.bytes += t.untyped_storage().nbytes()
-            return t
-        super().__init__(pack, lambda t: t)
+                self.bytes += nbytes
+            self._refs[key] = self._refs.get(key, 0) + 1
+            if self._refs[key] == 1:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            return _Saved(t, lambda: release(key, nbytes))
+        super().__init__(pack, lambda saved: saved.tensor if isinstance(saved, _Saved) else saved)
 
     def __enter__(self):
         super().__enter__()

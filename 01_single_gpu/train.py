@@ -143,7 +143,10 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
             group["lr"] = lr_at(step, args)
         micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, plan.dp_rank))
                          for m in range(args.grad_acc)]
-        with autocast:
+        # The first step of the run follows what autograd saves for backward: its peak is the
+        # measured activation memory (the setup table shows Korthikanti's estimate).
+        activation_meter = memory.saved_activation_bytes(exclude=params) if step == start else None
+        with autocast, activation_meter or contextlib.nullcontext():
             loss = plan.forward_backward(model, micro_batches)
         plan.finish_gradients()
         grad_norm = plan.clip_gradients(params, args.grad_clip)
@@ -167,6 +170,9 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
             if args.no_progress:
                 print(f"step {step + 1:>5} | loss {loss:.4f} | lr {record['lr']:.2e} | "
                       f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | mem {mem}", flush=True)
+        if activation_meter and plan.is_logging_rank:
+            bar.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                      f"{activation_meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
         bar.update(1)
         if args.checkpoint_dir and (step + 1 == args.steps or
                                     (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):

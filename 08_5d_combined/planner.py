@@ -15,7 +15,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
       ZeRO-1 shards the optimizer states over N, ZeRO-2 the gradients too, ZeRO-3 the weights too
       (train.py runs ZeRO-1: distributed_optimizer.py; the planner counts no padding of 03's units).
       activations: 01's memory.activation_bytes_estimate (Korthikanti: none s·b·h·(34 + 5as/h), TP
-      s·b·h·(10 + 24/t + 5as/(ht)), TP+SP s·b·h·(34 + 5as/h)/t, selective 34·s·b·h[/t], full 2·s·b·h;
+      s·b·h·(10 + 24/t + 5as/(ht)), TP+SP s·b·h·(34 + 5as/h)/t, selective: the same without the 5as/h
+      terms, full 2·s·b·h;
       s → s/cp), for one chunk's layers × the micro-batch·chunks the schedule holds (06's peak_held),
       plus the last stage's fp32 softmax of the vocab-parallel loss, b·(s/cp)·(V/t)·4 per held micro-batch.
   communication per step (bytes this rank sends, 02's ring convention; e = bytes per element, m = grad-acc,

@@ -5,6 +5,7 @@ the training loop against itself under regrouping (micro-batches, recomputation,
 the accounting (parameters, memory) against the formulas in the docstrings. float32/float64 on the
 CPU, so a difference means a bug, not rounding; each tolerance says why it is what it is.
 """
+import functools
 import json
 import subprocess
 import sys
@@ -170,11 +171,42 @@ def test_json_log_and_memory_report(tmp_path):
 
 
 def test_activation_estimate_matches_playbook_formula():
+    """Korthikanti et al. Table 2 (the playbook's ref. [9]), per layer in 16-bit bytes."""
     c = tiny_config()
     s, b, h, a, L = 64, 2, c.hidden_size, c.num_attention_heads, c.num_hidden_layers
-    assert memory.activation_bytes_estimate(c, b, s, 2) == int(L * s * b * h * (34 + 5 * a * s / h))
-    assert memory.activation_bytes_estimate(c, b, s, 2, "full") == L * 2 * s * b * h
-    assert memory.activation_bytes_estimate(c, b, s, 2, "selective", tp=4, sp=True) == int(L * 34 * s * b * h / 4)
+    estimate = functools.partial(memory.activation_bytes_estimate, c, b, s, 2)
+    assert estimate() == int(L * s * b * h * (34 + 5 * a * s / h))
+    assert estimate("full") == L * 2 * s * b * h
+    assert estimate("selective") == L * 34 * s * b * h
+    assert estimate("none", tp=4) == int(L * s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))
+    assert estimate("selective", tp=4) == int(L * s * b * h * (10 + 24 / 4))     # TP without SP
+    assert estimate("none", tp=4, sp=True) == int(L * s * b * h * (34 + 5 * a * s / h) / 4)
+    assert estimate("selective", tp=4, sp=True) == int(L * 34 * s * b * h / 4)
+
+
+def test_measured_activations_follow_the_step():
+    """The meter's peak is what is held at once: with two micro-batches the first one's activations are
+    freed by its backward before the second forward, so the step's peak equals one micro-batch's saved
+    bytes; each trainer prints that peak after its first step, below the table's estimate."""
+    torch.manual_seed(0)
+    model = modeling.LlamaForCausalLM(tiny_config())
+    ids = torch.randint(0, 96, (2, 2, 33))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as one:
+        model(ids[0, :, :-1], labels=ids[0, :, 1:])
+    with memory.saved_activation_bytes(exclude=model.parameters()) as step:
+        for x in ids:
+            model(x[:, :-1], labels=x[:, 1:]).backward()
+    assert step.peak == one.bytes == one.peak and step.bytes >= one.bytes
+    assert step.live == 0                                           # everything was released by backward
+    printed = {}
+    for mode in ("none", "selective"):
+        script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
+        out = subprocess.run([sys.executable, str(script), *common.argv("--recompute", mode, steps=1)],
+                             capture_output=True, text=True, check=True).stdout
+        line = next(l for l in out.splitlines() if l.startswith("activations saved for backward in step 1"))
+        printed[mode] = float(line.split("peak ")[1].split(" MiB")[0])
+        assert "activations (estimate)" in out
+    assert 0 < printed["selective"] < printed["none"]
 
 
 def test_cli_help_documents_the_contract():
