@@ -38,7 +38,8 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
     t.add_argument("--warmup-steps", type=int, default=10)
-    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW's decoupled decay of the matrices and embeddings; norm gains are not decayed")
     t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",

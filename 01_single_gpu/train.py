@@ -115,8 +115,19 @@ def build_model(args, config):
     return model
 
 
+def decays(p) -> bool:
+    """Weight decay applies to the matrices and the embedding (2-D), not to the RMSNorm gains (1-D):
+    nanoGPT's and Megatron's rule, since shrinking a gain only rescales its layer. A ZeRO shard is a
+    flat 1-D piece of several parameters: it says what it holds through a `decays` attribute."""
+    return getattr(p, "decays", p.dim() >= 2)
+
+
 def make_optimizer(params, args):
-    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    """AdamW (β = 0.9, 0.95, as Llama) with decoupled weight decay on the parameters `decays` picks."""
+    params = list(params)
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def train(args, model, optimizer, plan: TrainPlan, dataset, config):

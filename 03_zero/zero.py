@@ -4,7 +4,7 @@ Playbook §2.2 "ZeRO", Rajbhandari et al., ZeRO (§5 memory, §7 communication).
 grouped into units, one per module (the embedding, each decoder layer, the final norm, the head);
 each unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r
 owns the slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the
-shards, so its states are 1/N of DP's. What else is sharded:
+shards (in two pieces, decayed matrices and undecayed norm gains), so its states are 1/N of DP's. What else is sharded:
 
     stage 1  optimizer states      grads reduce-scattered after the last micro-batch; after the
                                    step every rank all-gathers the updated shards
@@ -63,9 +63,15 @@ def storage_bytes(tensors) -> int:
 
 
 class FlatUnit:
-    """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,)."""
+    """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,).
+
+    The parameters that weight decay applies to (01's `decays`: the matrices) come first, the norm gains
+    after them, so the shard splits into at most two `pieces`, the Parameters AdamW steps: one decayed,
+    one not (each marked with `decays`, which 01's make_optimizer reads).
+    """
 
     def __init__(self, index, module, params, rank, size, stage):
+        params = sorted(params, key=lambda p: not base.decays(p))            # stable: decayed first
         self.index, self.module, self.params = index, module, params
         self.offsets = [0]
         for p in params:
@@ -78,10 +84,18 @@ class FlatUnit:
                 view.copy_(p)
                 p.data = view                   # the module now computes with the flat buffer
         if stage < 3:   # the shard is a view of the full buffer: the step updates the model in place
-            self.shard = torch.nn.Parameter(self.full[self.lo:self.hi])       # (U/N,)
+            self.shard = self.full[self.lo:self.hi]                           # (U/N,)
         else:           # the shard is all that persists; `full` is re-filled on demand
-            self.shard = torch.nn.Parameter(self.full[self.lo:self.hi].clone())
+            self.shard = self.full[self.lo:self.hi].clone()
             self.free()
+        decay_end = self.offsets[sum(base.decays(p) for p in params)]        # where the norm gains start
+        self.pieces = []                                                      # views of the shard
+        for a, b, decayed in ((self.lo, min(self.hi, decay_end), True), (max(self.lo, decay_end), self.hi, False)):
+            if a < b:
+                piece = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo])
+                piece.decays, piece.start = decayed, a - self.lo
+                self.pieces.append(piece)
+        self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
         self.grad_full = params[0].new_zeros(self.padded) if stage == 1 else None   # (U,)
         self.shard_grad = params[0].new_zeros(self.hi - self.lo) if stage > 1 else None  # (U/N,)
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
@@ -128,7 +142,8 @@ class ZeRO:
 
     @property
     def shards(self):
-        return [unit.shard for unit in self.units]
+        """The Parameters the optimizer steps: each unit's shard, in its decayed and non-decayed pieces."""
+        return [piece for unit in self.units for piece in unit.pieces]
 
     @property
     def padded_numel(self):          # Ψ: the elements of all units, padding included
@@ -165,15 +180,18 @@ class ZeRO:
                 unit.shard_grad.zero_()
 
     def finish_gradients(self):
-        """shard.grad <- this rank's slice of the sum over ranks of the gradients, / divisor (the mean)."""
+        """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
+        gradients, / divisor (the mean)."""
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
             for work in works:
                 work.wait()
         for unit in self.units:
-            unit.shard.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad
-            unit.shard.grad.div_(self.divisor)
+            unit.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad   # (U/N,)
+            unit.grad.div_(self.divisor)
+            for piece in unit.pieces:
+                piece.grad = unit.grad[piece.start:piece.start + piece.numel()]
 
     def clip_gradients(self, params, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
@@ -193,12 +211,12 @@ class ZeRO:
             for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
                 lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
                 if lo < hi and which(p):
-                    total += unit.shard.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
+                    total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
         return total
 
     def scale_gradients(self, coef):
         for unit in self.units:
-            unit.shard.grad.mul_(coef.to(unit.shard.grad.dtype))
+            unit.grad.mul_(coef.to(unit.grad.dtype))
 
     # ==================================================================================
     # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
@@ -246,7 +264,7 @@ class ZeRO:
         if unit.gathered or unit.gather_work is not None:
             return
         unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
-        unit.gather_work = comm.all_gather_flat(unit.full, unit.shard.detach(), group=self.group,
+        unit.gather_work = comm.all_gather_flat(unit.full, unit.shard, group=self.group,
                                                 async_op=True)                 # (U/N,) -> (U,)
         self.events.append(("gather_issued", unit.index))
 
@@ -267,7 +285,7 @@ class ZeRO:
 
     def gather_shards(self):
         """After the optimizer step (stages 1-2): every rank's updated shards, into every full buffer."""
-        works = [comm.all_gather_flat(u.full, u.shard.detach(), group=self.group, async_op=True)
+        works = [comm.all_gather_flat(u.full, u.shard, group=self.group, async_op=True)
                  for u in self.units]         # in place: the shard is slice r of full
         for work in works:
             work.wait()
@@ -285,6 +303,6 @@ class ZeRO:
     def model_state_bytes(self, model, optimizer):
         """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages)."""
         params = storage_bytes([*model.parameters(), *self.shards])
-        grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.shard.grad for u in self.units),
+        grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
         return params, grads, memory.optimizer_state_bytes(optimizer)

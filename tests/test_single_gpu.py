@@ -155,6 +155,23 @@ def test_resume_with_other_layout_refuses(tmp_path):
         import_module("01_single_gpu.checkpoint").load_checkpoint(ckpt, model, None, {"dp": 2})
 
 
+def test_weight_decay_spares_one_dimensional_parameters():
+    """AdamW decays the matrices and the embedding (2-D), not the RMSNorm gains (1-D), as nanoGPT and
+    Megatron do. With every gradient zero, Adam's update is 0, so one step only applies the decay:
+    a matrix shrinks by exactly (1 − lr·wd), a gain stays 1."""
+    model = modeling.LlamaForCausalLM(tiny_config())
+    args = type("A", (), {"lr": 0.5, "weight_decay": 0.1})()
+    opt = train.make_optimizer(model.parameters(), args)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for name, p in model.named_parameters():
+        factor = 1.0 if p.dim() == 1 else 1 - 0.5 * 0.1
+        torch.testing.assert_close(p.detach(), before[name] * factor, rtol=1e-6, atol=0, msg=name)
+    assert any(p.dim() == 1 for p in model.parameters())
+
+
 def test_json_log_and_memory_report(tmp_path):
     log = tmp_path / "log.jsonl"
     losses, _ = common.single_device_run("--json-log", log, steps=2)
