@@ -4,7 +4,8 @@ Playbook §2.2 "ZeRO", Rajbhandari et al., ZeRO (§5 memory, §7 communication).
 grouped into units, one per module (the embedding, each decoder layer, the final norm, the head);
 each unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r
 owns the slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the
-shards (in two pieces, decayed matrices and undecayed norm gains), so its states are 1/N of DP's. What else is sharded:
+shards (each in two pieces: decayed matrices, undecayed norm gains), so its states are 1/N of DP's.
+What else is sharded:
 
     stage 1  optimizer states      grads reduce-scattered after the last micro-batch; after the
                                    step every rank all-gathers the updated shards
