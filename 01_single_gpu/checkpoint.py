@@ -84,6 +84,37 @@ def latest_step(directory):
     return max(steps, default=None)
 
 
+# What makes a run the run it is: its model, its data and their order, its global batch and its schedule.
+# --resume refuses to change any of them (the rest, e.g. --steps, --dtype, --recompute, logging, may change).
+RUN_FLAGS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
+             "tie_embeddings", "seq_len", "seed", "dataset", "text_column", "tokenizer", "lr", "min_lr_ratio",
+             "warmup_steps", "lr_decay_steps", "weight_decay", "grad_clip")
+
+
+def check_resume(args, directory, global_batch: int):
+    """Raise naming the flag if this run differs from the latest checkpoint's in RUN_FLAGS or in the global
+    batch; an unset --lr-decay-steps takes the checkpoint's schedule length (so --steps may grow)."""
+    step = latest_step(directory)
+    if step is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {directory}")
+    meta = json.loads((Path(directory) / f"step_{step:06d}" / "meta.json").read_text())
+    saved = dict(meta["args"])
+    saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = saved["lr_decay_steps"]
+    where = f"(in {directory}/step_{step:06d}): resume with the checkpoint's value, or start a new run in " \
+            f"another --checkpoint-dir"
+    for name in RUN_FLAGS:
+        if name in saved and getattr(args, name) != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"--resume: {flag} {getattr(args, name)} differs from the checkpoint's "
+                             f"{saved[name]} {where}")
+    saved_batch = meta.get("global_batch", saved["mbs"] * saved["grad_acc"] * meta.get("dp", 1))
+    if global_batch != saved_batch:
+        raise ValueError(f"--resume: a global batch of {global_batch} sequences differs from the checkpoint's "
+                         f"{saved_batch} (dp·mbs·grad_acc) {where}")
+
+
 def load_checkpoint(directory, model, optimizer, layout: dict) -> int:
     """Restore the latest checkpoint into model/optimizer; returns its step."""
     rank, world = _world()

@@ -38,6 +38,9 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
     t.add_argument("--warmup-steps", type=int, default=10)
+    t.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                   help="length of the warmup + cosine schedule (default: --steps); saved with checkpoints, so "
+                        "--resume with a larger --steps keeps it (the extra steps run at lr·min-lr-ratio)")
     t.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW's decoupled decay of the matrices and embeddings; norm gains are not decayed")
     t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
@@ -80,7 +83,7 @@ def parse_args(parser, argv=None):
             setattr(args, name, value)
     if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
         args.num_kv_heads = args.num_heads
-    for name in ("steps", "seq_len", "mbs", "grad_acc"):
+    for name in ("steps", "seq_len", "mbs", "grad_acc") + (("lr_decay_steps",) if args.lr_decay_steps else ()):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.resume and not args.checkpoint_dir:

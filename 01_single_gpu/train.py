@@ -92,10 +92,12 @@ def param_dtype(args):  # bfloat16 trains fp32 master weights under bf16 autocas
 
 
 def lr_at(step, args):
-    """Linear warmup to --lr, then cosine decay to lr·min_lr_ratio at the last step."""
+    """Linear warmup to --lr, then cosine decay to lr·min_lr_ratio at step --lr-decay-steps (default:
+    the last step), and lr·min_lr_ratio after it."""
     if step < args.warmup_steps:
         return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    decay_steps = args.lr_decay_steps or args.steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, decay_steps - args.warmup_steps))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -136,8 +138,10 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, plan.dp_size)
     start = 0
-    if args.resume:
+    if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
+        checkpoint.check_resume(args, args.checkpoint_dir, sampler.global_batch)
         start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, plan.layout)
+    args.lr_decay_steps = args.lr_decay_steps or args.steps
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
     tokens_per_step = sampler.global_batch * args.seq_len
@@ -188,7 +192,7 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
         if args.checkpoint_dir and (step + 1 == args.steps or
                                     (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
             checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                       {**plan.layout, "args": vars(args)})
+                                       {**plan.layout, "global_batch": sampler.global_batch, "args": vars(args)})
     bar.close()
     if log:
         log.close()

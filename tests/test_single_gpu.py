@@ -7,6 +7,7 @@ CPU, so a difference means a bug, not rounding; each tolerance says why it is wh
 """
 import functools
 import json
+import re
 import subprocess
 import sys
 from importlib import import_module
@@ -145,6 +146,38 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
     for name in full_state:
         assert torch.equal(resumed_state[name], full_state[name]), name
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [4, 5, 6]
+
+
+def test_resume_keeps_the_learning_rate_schedule(tmp_path):
+    """`--resume --steps 6` after a 3-step run keeps the 3-step cosine: steps 4-6 run at lr·min_lr_ratio
+    (the schedule's length is --lr-decay-steps, saved with the checkpoint), never a jump back up."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    common.single_device_run("--checkpoint-dir", ckpt, steps=3)
+    common.single_device_run("--checkpoint-dir", ckpt, "--resume", "--json-log", log, steps=6)
+    lrs = [json.loads(line)["lr"] for line in log.read_text().splitlines()]
+    assert lrs == pytest.approx([3e-3 * 0.1] * 3)
+    # A schedule meant to be longer says so from the start; resuming it continues the same curve.
+    whole, _ = common.single_device_run("--json-log", tmp_path / "whole.jsonl", "--lr-decay-steps", 6, steps=6)
+    common.single_device_run("--checkpoint-dir", tmp_path / "c2", "--lr-decay-steps", 6, steps=3)
+    resumed, _ = common.single_device_run("--checkpoint-dir", tmp_path / "c2", "--resume", steps=6)
+    assert resumed == whole[3:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", 16], "--seq-len 16 differs from the checkpoint's 32"),
+    (["--mbs", 2], "global batch of 2 sequences differs from the checkpoint's 4"),
+    (["--grad-acc", 2], "global batch of 8 sequences differs from the checkpoint's 4"),
+    (["--lr-decay-steps", 9], "--lr-decay-steps 9 differs from the checkpoint's 1"),
+    (["--seed", 7], "--seed 7 differs from the checkpoint's 1234"),
+    (["--lr", 1e-3], "--lr 0.001 differs from the checkpoint's 0.003"),
+])
+def test_resume_refuses_a_different_run(tmp_path, flags, message):
+    """What fixes the data, the batch and the schedule must not change under --resume: the run would
+    silently become another one. Each refusal names the flag (and comes before any training)."""
+    ckpt = tmp_path / "c"
+    common.single_device_run("--checkpoint-dir", ckpt, steps=1)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        common.single_device_run("--checkpoint-dir", ckpt, "--resume", *flags, steps=2)
 
 
 def test_resume_with_other_layout_refuses(tmp_path):
