@@ -12,22 +12,50 @@ import torch
 from safetensors.torch import load_file, save_file
 
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta",
-               "tie_word_embeddings")
+               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+REQUIRED_KEYS = CONFIG_KEYS[:5]                  # the shapes; the others have defaults
+
+
+def rope_from_hf(raw: dict):
+    """(rope_theta, rope_scaling or None) from either layout of config.json.
+
+    transformers 5 writes "rope_parameters": {"rope_theta", "rope_type", and the kind's keys}. Before it,
+    rope_theta was top-level and the scaling a "rope_scaling" dict that names its kind "type" (older
+    checkpoints) or "rope_type"; transformers 5 keeps "type" beside "rope_type" when it converts one.
+    """
+    rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    if any(isinstance(value, dict) for value in rope.values()):
+        raise ValueError("per-layer-type rope_parameters are not a Llama layout")
+    theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = rope.pop("rope_type", None) or rope.pop("type", "default")
+    rope.pop("type", None)
+    return theta, (None if kind == "default" else {"rope_type": kind, **rope})
 
 
 def config_from_hf(directory, config_cls):
-    raw = json.loads((Path(directory) / "config.json").read_text())
-    if raw.get("rope_scaling"):
-        raise ValueError(f"{directory}: rope_scaling={raw['rope_scaling']} is not implemented by this model; "
-                         "use a checkpoint without rope scaling (e.g. a Llama-2-style config)")
+    """The config of an HF directory's config.json; every problem is one ValueError naming the directory."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json in it")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    missing = [key for key in REQUIRED_KEYS if key not in raw]
+    if missing:
+        raise ValueError(f"{directory}: config.json lacks {', '.join(missing)}")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise ValueError(f"{directory}: attention/mlp biases are not part of this Llama model")
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim * raw["num_attention_heads"] != raw["hidden_size"]:
         raise ValueError(f"{directory}: head_dim={head_dim} != hidden_size/num_heads; not supported")
     raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
-    return config_cls(**{k: raw[k] for k in CONFIG_KEYS if k in raw})
+    try:
+        rope_theta, rope_scaling = rope_from_hf(raw)
+        return config_cls(**{k: raw[k] for k in CONFIG_KEYS if k in raw}, rope_theta=rope_theta,
+                          rope_scaling=rope_scaling)
+    except ValueError as error:
+        raise ValueError(f"{directory}: {error}") from None
 
 
 def load_hf_state_dict(directory) -> dict:
@@ -68,6 +96,9 @@ def save_hf(model, directory):
     directory.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     config = {k: getattr(cfg, k) for k in CONFIG_KEYS}
+    # transformers 5's layout, as its save_pretrained writes it (rope_from_hf reads the older one too)
+    config["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default",
+                                 **(cfg.rope_scaling or {})}
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                   head_dim=cfg.head_dim, attention_bias=False, mlp_bias=False,
                   initializer_range=cfg.initializer_range, torch_dtype=str(next(model.parameters()).dtype)[6:])

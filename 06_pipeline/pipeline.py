@@ -91,7 +91,7 @@ class PipelineStage(nn.Module):
         if self.is_first:
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
         positions = self.position_ids if self.position_ids is not None else torch.arange(x.shape[1], device=x.device)
-        cos, sin = modeling.rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)                                            # (B, T, C)
         if self.is_last:

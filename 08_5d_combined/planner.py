@@ -220,7 +220,7 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
 def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -> dict:
     """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one."""
     span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.pp}
-    span["dp"] = span["pp"] * layout.dp
+    span["dp"] = span["zero3"] = span["pp"] * layout.dp                       # ZeRO-3 gathers in the dp group
     span["ep"] = span["pp"] * layout.ep                                      # ep: consecutive dp ranks
     return {dim: intra if s <= gpus_per_node else inter for dim, s in span.items()}
 
@@ -256,10 +256,10 @@ def world_size(n: int):
 def main(argv=None):
     parser = build_parser()
     args = base.cli.parse_args(parser, argv)
-    config = combined.tp_train.config_of(args)
     layout = layout_of(args)
     world = args.dp * args.pp * args.cp * args.tp
-    try:   # the trainers' own rules, for the world size the degrees ask for
+    try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
+        config = combined.tp_train.config_of(args)
         with world_size(world):
             combined.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
         combined.process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
@@ -296,7 +296,7 @@ def main(argv=None):
         ratios = overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
         print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
         for dim, r in ratios.items():
-            where = "intra" if bw[dim[:2]] == args.bw_intra * 1e9 else "inter"
+            where = "intra" if bw[dim] == args.bw_intra * 1e9 else "inter"
             print(f"  {dim:<8}{r:>10.3f}  ({where}-node){'  EXPOSED' if r > 1 else ''}")
     else:
         print("overlap ratios: give --peak-tflops, --bw-intra and --bw-inter (GB/s)")

@@ -152,7 +152,9 @@ def run_all(args, timer, peaks):
         bench(rows, timer, peaks, "swiglu", f"N={n} F={f}", impls(swi.swiglu_reference, swi.swiglu),
               (gate, up), torch.randn_like(gate), "GB/s", 3 * n * f * b, 8 * n * f * b)
         q = randn(1, c // 128, n, 128)                                         # (B, nh, T, hd)
-        cos, sin = modeling.rotary_cos_sin(torch.arange(n, device=DEVICE), 128, 500000.0, DTYPE)
+        head = modeling.LlamaConfig(hidden_size=128, num_attention_heads=1, num_key_value_heads=1,
+                                    rope_theta=500000.0)                       # one Llama-3 head, hd 128
+        cos, sin = modeling.rotary_cos_sin(torch.arange(n, device=DEVICE), head, DTYPE)      # (T, hd)
         bench(rows, timer, peaks, "rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
               (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
 

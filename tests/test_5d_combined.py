@@ -230,7 +230,7 @@ def test_llama3_sixteen_rank_groups():
     pipelines = grid.permute(0, 2, 3, 1).reshape(-1, 2).tolist()     # what pipeline.direction_groups builds
     assert sorted(pipelines) == sorted(groups["pp"])
     assert planner.bandwidths(planner.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
-        dict(tp="intra", cp="intra", pp="intra", dp="inter", ep="intra")   # 8 GPUs a node: only DP crosses
+        dict(tp="intra", cp="intra", pp="intra", dp="inter", zero3="inter", ep="intra")   # only dp crosses
 
 
 def _check_layout(*flags, world):

@@ -111,10 +111,16 @@ def test_swiglu(dtype):
     check(swi.swiglu, swi.swiglu_reference, [gate, up], dtype, ["y", "dgate", "dup"])
 
 
+def rope_tables(head_dim: int, T: int = 37):
+    """The model's cos, sin (T, hd) for one head of this size, plain RoPE with theta 10000."""
+    one_head = modeling.LlamaConfig(hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1)
+    return modeling.rotary_cos_sin(torch.arange(T), one_head, torch.float32)
+
+
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 24), (torch.bfloat16, 16)],
                          ids=["float32-hd16", "float32-hd24", "bfloat16-hd16"])
 def test_rope(dtype, head_dim):
-    cos, sin = modeling.rotary_cos_sin(torch.arange(37), head_dim, 10000.0, torch.float32)   # (T, hd)
+    cos, sin = rope_tables(head_dim)                        # (T, hd)
     x = randn(2, 37, 4, head_dim).transpose(1, 2)           # (B, nh, T, hd), strided like the model's q
     check(lambda x: rot.rope(x, cos.to(x), sin.to(x)), lambda x: rot.rope_reference(x, cos.to(x), sin.to(x)),
           [x], dtype, ["out", "dx"])
@@ -122,7 +128,7 @@ def test_rope(dtype, head_dim):
 
 def test_rope_backward_is_rotation_by_minus_sin():
     """The docstring's claim: with Llama's tables (cos1 = cos2, sin1 = sin2), dx = rope(dy, cos, -sin)."""
-    cos, sin = modeling.rotary_cos_sin(torch.arange(37), 16, 10000.0, torch.float32)
+    cos, sin = rope_tables(16)
     x = randn(1, 2, 37, 16).to(DEVICE).requires_grad_()
     dy = randn(1, 2, 37, 16, seed=1).to(DEVICE)
     rot.rope(x, cos.to(DEVICE), sin.to(DEVICE)).backward(dy)

@@ -1,0 +1,97 @@
+"""08_5d_combined/planner.py on the inputs a user gives it: ZeRO-3 with the overlap flags, a real
+Llama-3.1-8B config.json as --init-from, and config.json files it cannot plan from.
+
+Compared: the printed overlap row against the module docstring's formula, the planned parameters against
+the published 8,030,261,248 of Llama-3.1-8B, and every config problem against one argparse error line
+(exit status 2, no traceback). Pure arithmetic on integers and a few floats: no tolerance but print rounding.
+"""
+import json
+import subprocess
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+planner = import_module("08_5d_combined.planner")
+PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
+
+# meta-llama/Llama-3.1-8B's config.json as published (the keys the planner or the loader could read).
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "attention_bias": False,
+    "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1, "initializer_range": 0.02,
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16", "use_cache": True,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+}
+OVERLAP = ["--peak-tflops", "989", "--bw-intra", "450", "--bw-inter", "50"]
+
+
+def write_config(directory, config):
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    return directory
+
+
+def test_zero3_prints_the_overlap_table(capsys):
+    """--zero-stage 3 with the bandwidth and peak flags prints the zero3 row: e·(N−1)/N/(2·b·s_r)·peak/bw
+    with N = dp = 4 and bw = --bw-inter, since the dp group spans tp·pp·dp = 16 ranks > 8 per node."""
+    planner.main(["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "16", "--dp", "4",
+                  "--tp", "2", "--pp", "2", "--zero-stage", "3", *OVERLAP])
+    out = capsys.readouterr().out
+    expected = 2 * (4 - 1) / 4 / (2 * 1 * 4096) * 989e12 / 50e9                # mixed precision: e = 2
+    rows = [line.split() for line in out.splitlines()]
+    assert ["zero3", f"{expected:.3f}", "(inter-node)", "EXPOSED"] in rows
+    assert any(row[:1] == ["tp"] and "(intra-node)" in row for row in rows)
+
+
+def test_llama31_8b_config_plans_from_its_shapes(tmp_path, capsys):
+    """A directory holding only Llama-3.1-8B's config.json (llama3 RoPE scaling, no weights) is planned:
+    the planner reads its shapes, and its per-rank parameters over tp 8 × pp 4 add up to the published
+    count: every matrix split 8 ways by tp, the 2L + 1 norms replicated on every tp rank."""
+    directory = write_config(tmp_path / "llama31", LLAMA_31_8B)
+    planner.main(["--init-from", str(directory), "--tp", "8", "--pp", "4", "--dp", "2", "--seq-len", "8192",
+                  "--mbs", "1", "--grad-acc", "8", "--zero-stage", "1", "--recompute", "selective",
+                  "--gpu-mem", "80", *OVERLAP])
+    out = capsys.readouterr().out
+    assert "model: 8.030B parameters, h 4096, L 32, heads 32/8, ffn 14336, vocab 128256" in out
+    assert "overlap t_comm/t_compute" in out
+    args = planner.base.cli.parse_args(planner.build_parser(), ["--init-from", str(directory), "--tp", "8",
+                                                                "--pp", "4"])
+    config, layout = planner.combined.tp_train.config_of(args), planner.layout_of(args)
+    assert (config.rope_theta, config.rope_scaling["rope_type"], config.head_dim) == (500000.0, "llama3", 128)
+    per_tp_rank = sum(sum(planner.stage_parameters(config, layout, s)) for s in range(4))
+    norms = 2 * 4096 * 32 + 4096
+    assert 8 * (per_tp_rank - norms) + norms == 8_030_261_248
+
+
+CONFIG_PROBLEMS = {
+    "yarn-scaling": ({**LLAMA_31_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+    "no-hidden-size": ({k: v for k, v in LLAMA_31_8B.items() if k != "hidden_size"}, "hidden_size"),
+    "not-json": ("{hidden_size: 4096", "not valid JSON"),
+    "biases": ({**LLAMA_31_8B, "attention_bias": True}, "biases"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_PROBLEMS)
+def test_config_problems_are_one_parser_error(tmp_path, capsys, case):
+    """A config.json the model cannot take is argparse's error (exit 2) naming the problem."""
+    config, message = CONFIG_PROBLEMS[case]
+    directory = write_config(tmp_path / case, config)
+    with pytest.raises(SystemExit) as exit_info:
+        planner.main(["--init-from", str(directory), "--tp", "8"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and str(directory) in errors[0]
+
+
+def test_missing_config_is_one_line_without_traceback(tmp_path):
+    """Run as a user runs it: a directory without config.json ends in one error line and no traceback."""
+    result = subprocess.run([sys.executable, str(PLANNER), "--init-from", str(tmp_path), "--tp", "8"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"planner.py: error: {tmp_path}: no config.json in it"
