@@ -1,8 +1,8 @@
 """Switch a Llama between PyTorch and the Triton kernels of this folder, from outside the model.
 
-Playbook chapter 4 applied to the model of 01_single_gpu. The model is not edited (see
-../shared/STYLE.md). It exposes each fusable piece as a swappable attribute, and this file assigns
-them:
+Playbook chapter 4 applied to the model of 01_single_gpu. The model is not edited (the README's
+"How the code is written"): it exposes each fusable piece as a swappable attribute, and this file
+assigns them:
 
     piece                      model attribute                              --kernels triton      --attn
     RMSNorm (2 per layer + 1)  RMSNorm modules (input_layernorm, ...)       kernels/rmsnorm.py
