@@ -57,9 +57,9 @@ def core_parser(description: str) -> argparse.ArgumentParser:
 
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="stdlib",
-                   help="'stdlib' (offline default: Python's own sources), a local .txt/.jsonl/.parquet file "
-                        "or folder, or an HF hub dataset name (needs the network)")
-    d.add_argument("--text-column", default="text")
+                   help="'stdlib' (offline default: Python's own sources), a local .txt/.md/.py or "
+                        ".jsonl/.json/.parquet file or folder, or an HF hub dataset name (needs the network)")
+    d.add_argument("--text-column", default="text", help="the column of .jsonl/.json/.parquet/hub records to read")
     d.add_argument("--tokenizer", default="bytes", help="'bytes' (offline default) or an HF tokenizer dir/name")
 
     o = p.add_argument_group("logging and checkpoints")

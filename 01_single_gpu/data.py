@@ -3,7 +3,12 @@
 Plumbing written once and reused by every folder. The default path is fully offline: the corpus is
 the Python standard library's own sources (real English-and-code text that every machine with
 Python already has), tokenized to bytes. Users who are online can pass local text/jsonl/parquet
-files, an HF hub dataset name, and an HF tokenizer directory or name.
+files or folders, an HF hub dataset name, and an HF tokenizer directory or name.
+
+A build streams: text is tokenized in line-aligned pieces by `datasets.map` (several processes for
+big inputs) into arrow files on disk, then copied batch by batch into one memory-mapped .npy of
+windows, so memory stays bounded whatever the input size. The cache file is named by a hash of
+everything that changes the tokens (files, text column, tokenizer content, seq_len, format).
 
 Sampling is a pure function of (seed, step): the global batch of step s is the samples
 [s·G, (s+1)·G) of a seeded permutation per epoch, with G = dp·mbs·grad_acc. Data-parallel rank r
@@ -11,9 +16,11 @@ reads its own M rows of each micro-batch, so `--dp D --mbs M` sees exactly the g
 `--mbs D·M` on one device, and resuming only needs the step number.
 """
 import hashlib
+import io
+import json
 import os
 import sysconfig
-import uuid
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +28,13 @@ import torch
 
 DEFAULT_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "data"
 DEFAULT_CORPUS_BYTES = 4 * 2**20   # 4 MiB of standard-library sources: ~4M byte tokens
+FORMAT_VERSION = 2                 # bump when the code below would turn the same inputs into other windows
+PIECE_CHARS = 2**16                # a text is tokenized in line-aligned pieces of at most this many chars
+TEXT_BYTES_PER_PROC = 4 * 2**20    # one tokenizing process per this much text, up to the cores
+KINDS = {".txt": "text", ".md": "text", ".py": "text",
+         ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+KIND_NAMES = {"text": "text files (.txt/.md/.py)", "json": "JSON records (.jsonl/.json)",
+              "parquet": "Parquet records (.parquet)"}
 
 
 class ByteTokenizer:
@@ -34,6 +48,9 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "bytes"   # the two lines above are the whole tokenizer; FORMAT_VERSION covers changes to them
 
 
 class HFTokenizer:
@@ -52,6 +69,16 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(ids)
 
+    def fingerprint(self) -> str:
+        """A hash of what decides the ids, not of the name: the same directory may hold a new vocabulary."""
+        if getattr(self.tok, "backend_tokenizer", None) is not None:   # a fast tokenizer: one JSON of it all
+            content = self.tok.backend_tokenizer.to_str().encode()
+        else:   # a Python tokenizer: the vocabulary/merges/model files it would save
+            with tempfile.TemporaryDirectory() as d:
+                content = b"".join(Path(f).read_bytes() for f in sorted(self.tok.save_pretrained(d)))
+        detail = repr((self.name, type(self.tok).__name__, self.eos_token_id)).encode()
+        return hashlib.sha256(detail + content).hexdigest()
+
 
 def load_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
@@ -68,72 +95,172 @@ def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list:
     return files
 
 
-def _load_texts(source: str, text_column: str):
-    """A `datasets.Dataset` with one column "text" for the named source."""
-    import datasets
+def _source_files(source: str):
+    """(kind, files) of a source: "text"/"json"/"parquet" with its files in sorted order, or ("hub", [])."""
     if source == "stdlib":
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in default_corpus_files()]
-        return datasets.Dataset.from_dict({"text": texts})
+        return "text", default_corpus_files()
     path = Path(source)
-    if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.suffix in (".txt", ".md", ".py"))
-        return datasets.Dataset.from_dict({"text": [Path(f).read_text(errors="replace") for f in files]})
-    if path.suffix in (".txt", ".md"):
-        return datasets.Dataset.from_dict({"text": [path.read_text(errors="replace")]})
-    if path.suffix in (".jsonl", ".json", ".parquet"):
-        kind = "parquet" if path.suffix == ".parquet" else "json"
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    else:  # an HF hub dataset name, e.g. "roneneldan/TinyStories" (needs the network)
+    if path.is_dir():   # every supported file below it, hidden ones (.git, .ipynb_checkpoints) left out
+        files = [p for p in sorted(path.rglob("*"), key=str) if p.is_file() and p.suffix in KINDS
+                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    elif path.is_file():
+        files = [path]
+    elif path.suffix in KINDS or source.startswith((".", "/")):
+        raise ValueError(f"{source} does not exist: pass --dataset an existing file or folder")
+    else:   # an HF hub dataset name, e.g. "roneneldan/TinyStories" (needs the network)
+        return "hub", []
+    kinds = {KINDS.get(p.suffix) for p in files}
+    if not files or None in kinds:
+        raise ValueError(f"{source}: no .txt/.md/.py or .jsonl/.json/.parquet files there; "
+                         f"pass --dataset such a file or a folder of them")
+    kinds = [k for k in KIND_NAMES if k in kinds]
+    if len(kinds) > 1:
+        raise ValueError(f"{source} mixes {KIND_NAMES[kinds[0]]} with {KIND_NAMES[kinds[1]]}: "
+                         f"split them into two folders and pass one")
+    return kinds[0], files
+
+
+def _fingerprint(source, kind, files, text_column, tokenizer, seq_len) -> str:
+    """The cache key: a hash of everything that changes the windows (a hub dataset is keyed by its name)."""
+    key = {"format": FORMAT_VERSION, "hub": source if kind == "hub" else None, "seq_len": seq_len,
+           "files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+           "text_column": None if kind == "text" else text_column, "tokenizer": tokenizer.fingerprint()}
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
+
+
+def _line_pieces(stream, size: int = PIECE_CHARS):
+    """(piece, is_last): consecutive pieces of a text stream, each at most `size` characters and ending at
+    a line end (a line longer than `size` is cut inside). The last piece may be empty."""
+    piece, n = [], 0
+    for line in iter(lambda: stream.readline(size), ""):
+        if n + len(line) > size:
+            yield "".join(piece), False
+            piece, n = [], 0
+        piece.append(line)
+        n += len(line)
+    yield "".join(piece), True
+
+
+def _text_rows(files):
+    """Rows {"text", "last"} of text files: each file is one document, read piece by piece."""
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:   # text mode: line ends normalised
+            for piece, last in _line_pieces(f):
+                yield {"text": piece, "last": last}
+
+
+def _records(source, kind, files, text_column, scratch):
+    """A `datasets.Dataset` with one column "text" from .jsonl/.json/.parquet files or a hub dataset."""
+    import datasets
+    if kind == "hub":
         ds = datasets.load_dataset(source, split="train")
+    else:
+        ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
+                                   cache_dir=str(scratch))
     if text_column not in ds.column_names:
         raise ValueError(f"{source} has no column {text_column!r} (columns: {ds.column_names}); "
                          f"pass --text-column")
-    return ds.select_columns([text_column]).rename_column(text_column, "text") if text_column != "text" else ds
+    ds = ds.select_columns([text_column])
+    return ds if text_column == "text" else ds.rename_column(text_column, "text")
 
 
-def _fingerprint(source: str, tokenizer, seq_len: int) -> str:
-    if source == "stdlib":
-        detail = [(p.name, p.stat().st_size) for p in default_corpus_files()]
-    elif Path(source).exists():
-        detail = [(str(Path(source).resolve()), Path(source).stat().st_mtime)]
+def _tokenize(batch, tokenizer):
+    """Documents, or pieces of one with `last` marking its end, -> int32 ids; EOS closes each document.
+
+    Never one call on a whole document: a BPE tokenizer holds ~1 KB per token while it encodes. Each
+    text is encoded in line-aligned pieces instead. Bytes do not depend on the cuts; a BPE tokenizer
+    can give other ids at a cut than on the whole text only where a pre-token or merge would span that
+    line end (e.g. a run of blank lines that Llama 3 encodes as one token): a token or two per piece.
+    """
+    eos = np.array([tokenizer.eos_token_id], dtype=np.int32)
+    lasts = batch["last"] if "last" in batch else [True] * len(batch["text"])   # records: whole documents
+    ids = []
+    for text, last in zip(batch["text"], lasts):
+        pieces = [np.asarray(tokenizer.encode(p), dtype=np.int32) for p, _ in _line_pieces(io.StringIO(text))]
+        ids.append(np.concatenate(pieces + [eos] if last else pieces))
+    return {"ids": ids}
+
+
+def _pack(tokens, window: int, path: Path):
+    """Concatenate the tokenized rows and cut them into (N, window) int32 windows in the .npy file `path`
+    (the tail that does not fill a window is dropped), batch by batch: no list of all tokens is built."""
+    import pyarrow.compute as pc
+    from tqdm import tqdm
+
+    def batches():
+        return tokens.with_format("arrow").iter(batch_size=256)
+    total = sum(pc.sum(pc.list_value_length(b["ids"])).as_py() or 0 for b in batches())
+    if total < window:
+        raise ValueError(f"the data holds {total} tokens, fewer than seq_len+1={window}: pass more text")
+    windows = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(total // window, window))
+    flat, filled = windows.reshape(-1), 0                      # (N·window,) view of the file
+    with tqdm(total=flat.size, unit="tok", unit_scale=True, desc="packing windows") as bar:
+        for b in batches():
+            ids = b["ids"].combine_chunks().flatten().to_numpy()[: flat.size - filled]
+            flat[filled: filled + len(ids)] = ids
+            filled += len(ids)
+            bar.update(len(ids))
+    windows.flush()
+
+
+def _build(source, kind, files, text_column, tokenizer, window, scratch: Path):
+    """Tokenize the source into arrow files under `scratch`, then pack them into scratch/windows.npy."""
+    import datasets
+    if kind == "text":
+        docs = datasets.Dataset.from_generator(_text_rows, gen_kwargs={"files": [str(p) for p in files]},
+                                               cache_dir=str(scratch), writer_batch_size=64,
+                                               fingerprint="text")
     else:
-        detail = source
-    return hashlib.sha1(repr((source, detail, tokenizer.name, seq_len)).encode()).hexdigest()[:16]
+        docs = _records(source, kind, files, text_column, scratch)
+    if len(docs) == 0:
+        raise ValueError(f"{source} holds no documents")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_proc = max(1, min(cores, len(docs), docs.data.nbytes // TEXT_BYTES_PER_PROC))
+    rows_per_batch = int(np.clip(2**20 * len(docs) // max(1, docs.data.nbytes), 1, 1000))   # ~1 MiB of text
+    tokens = docs.map(_tokenize, fn_kwargs={"tokenizer": tokenizer}, batched=True,
+                      batch_size=rows_per_batch, writer_batch_size=rows_per_batch,
+                      remove_columns=docs.column_names, num_proc=num_proc if num_proc > 1 else None,
+                      cache_file_name=str(scratch / "tokens.arrow"), new_fingerprint="tokens",
+                      desc=f"tokenizing {source}")
+    _pack(tokens, window, scratch / "windows.npy")
+
+
+class TokenWindows:
+    """The cached windows, memory-mapped: `len(w)` windows, `w[i]["input_ids"]` a (seq_len+1,) int64."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.windows = np.load(self.path, mmap_mode="r")   # (N, seq_len+1) int32, read from disk on demand
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i].astype(np.int64)}
 
 
 def build_dataset(source: str, tokenizer, seq_len: int, cache_dir=DEFAULT_CACHE, text_column: str = "text"):
-    """Windows of seq_len+1 token ids (a `datasets.Dataset`, numpy format), built once and cached.
+    """The windows of seq_len+1 token ids of `source` (a `TokenWindows`), built once and cached.
 
-    Concurrent builders (several ranks) each write a private directory and rename it into place,
-    so a half-written cache is never read.
+    One process builds a given cache at a time (a file lock beside it); concurrent callers (several
+    ranks) wait, then read it. The file is written elsewhere and renamed into place, so a half-written
+    cache is never read.
     """
-    import datasets
-    datasets.disable_progress_bars()
-    target = Path(cache_dir) / f"{_fingerprint(source, tokenizer, seq_len)}"
+    from filelock import FileLock   # comes with torch and datasets
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end documents with: "
+                         f"save it with one (eos_token=...)")
+    kind, files = _source_files(source)
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / f"{_fingerprint(source, kind, files, text_column, tokenizer, seq_len)}.npy"
     if not target.exists():
-        window = seq_len + 1
-
-        def tokenize(batch):  # documents -> token ids, each document closed by EOS
-            return {"ids": [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in batch["text"]]}
-
-        def pack(batch):  # concatenate documents and cut into windows (the tail that does not fit is dropped)
-            flat = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in batch["ids"]])
-            n = len(flat) // window
-            return {"input_ids": flat[: n * window].reshape(n, window).tolist()}
-
-        texts = _load_texts(source, text_column)
-        tokens = texts.map(tokenize, batched=True, remove_columns=texts.column_names)
-        packed = tokens.map(pack, batched=True, batch_size=len(tokens), remove_columns=["ids"])
-        if len(packed) == 0:
-            raise ValueError(f"{source} holds fewer than seq_len+1={window} tokens")
-        scratch = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex}")
-        packed.save_to_disk(str(scratch))
-        try:
-            os.rename(scratch, target)
-        except OSError:  # another rank finished first; its copy is identical
-            import shutil
-            shutil.rmtree(scratch, ignore_errors=True)
-    return datasets.load_from_disk(str(target)).with_format("numpy")
+        with FileLock(f"{target}.lock"):
+            if not target.exists():   # not built while this process waited for the lock
+                with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f"{target.stem}.build-") as scratch:
+                    _build(source, kind, files, text_column, tokenizer, seq_len + 1, Path(scratch))
+                    os.replace(Path(scratch) / "windows.npy", target)
+    return TokenWindows(target)
 
 
 class GlobalBatchSampler:
