@@ -8,9 +8,9 @@ Playbook §5.1 (collective operations) and ZeRO §7 (communication volume). Two 
 
 2. `CommMeter`: `with CommMeter(grid.group_names()) as meter:` counts every collective and
    point-to-point call made through `torch.distributed` inside the block, per operation and per
-   process group, without the technique code knowing about it. Pass the group by keyword
-   (`group=...`), as this project always does; a call without one is counted as "world". Call `dist.isend`/`dist.irecv`
-   directly rather than `batch_isend_irecv`, whose `P2POp` checks identity with the unwrapped ops.
+   process group, without the technique code knowing about it: the group is read from the call's
+   arguments, keyword or positional (a call without one counts as "world"), and each P2POp of a
+   `batch_isend_irecv` counts as the isend or irecv it is. Technique code calls torch as usual.
 
 Byte conventions (per rank, for a collective over N ranks on a K-byte tensor, where K is the
 full-size tensor: the all-reduced tensor, the gathered output, the reduce-scattered input):
@@ -25,6 +25,8 @@ full-size tensor: the all-reduced tensor, the gathered output, the reduce-scatte
 So plain data parallelism moves 2Ψ(N−1)/N bytes of gradients per rank per step: "2Ψ" in the ZeRO
 paper's units, and ZeRO-1/2's reduce-scatter + all-gather move the same.
 """
+import functools
+import inspect
 from collections import defaultdict
 
 import torch.distributed as dist
@@ -53,22 +55,22 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
-def _wire_bytes(op, n, args, kwargs):
-    """(payload, wire) bytes of one call, by the conventions in the module docstring."""
-    if op == "barrier":  # no tensor (and maybe no arguments at all)
+def _wire_bytes(op, n, group, args):
+    """(payload, wire) bytes of one call, by the conventions in the module docstring; `args` are the
+    call's arguments in the order of torch's signature, defaults filled in."""
+    if op == "barrier":  # no tensor
         return 0, 0
-    a0 = args[0] if args else next(iter(kwargs.values()))
     if op == "all_reduce":
-        k = _nbytes(a0)
+        k = _nbytes(args[0])
         return k, 2 * (n - 1) * k // n
     if op in ("broadcast", "reduce"):
-        k = _nbytes(a0)
+        k = _nbytes(args[0])
         return k, (n - 1) * k // n
     if op in (_ALL_GATHER, "all_gather_into_tensor", "all_gather_single"):   # (output, input)
-        k = _nbytes(a0)
+        k = _nbytes(args[0])
         return k, (n - 1) * k // n
     if op in (_REDUCE_SCATTER, "reduce_scatter_tensor", "reduce_scatter_single"):  # (output, input)
-        k = _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+        k = _nbytes(args[1])
         return k, (n - 1) * k // n
     if op == "all_gather":  # (tensor_list, tensor)
         k = n * _nbytes(args[1])
@@ -76,22 +78,40 @@ def _wire_bytes(op, n, args, kwargs):
     if op == "reduce_scatter":  # (output, input_list)
         k = sum(_nbytes(t) for t in args[1])
         return k, (n - 1) * k // n
-    if op == "all_to_all_single":  # (output, input, output_splits, input_splits)
+    if op == "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes)
         inp = args[1]
-        splits = (args[3] if len(args) > 3 else kwargs.get("input_split_sizes")) or [inp.shape[0] // n] * n
+        splits = args[3] or [inp.shape[0] // n] * n
         row = _nbytes(inp) // max(inp.shape[0], 1)
-        me = dist.get_rank(kwargs.get("group"))
-        return _nbytes(inp), row * (sum(splits) - splits[me])
+        return _nbytes(inp), row * (sum(splits) - splits[dist.get_rank(group)])
     if op in ("send", "isend"):
-        return _nbytes(a0), _nbytes(a0)
+        return _nbytes(args[0]), _nbytes(args[0])
     if op in ("recv", "irecv"):
-        return _nbytes(a0), 0
-    return 0, 0  # barrier
+        return _nbytes(args[0]), 0
+    return 0, 0
 
 
 METERED = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all_single",
            "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
            "send", "recv", "isend", "irecv", "barrier")
+
+
+def _unmetered(fn):
+    """torch's own function under the wrappers of any active meters."""
+    while hasattr(fn, "unmetered"):
+        fn = fn.unmetered
+    return fn
+
+
+class _P2POp(dist.distributed_c10d.P2POp):
+    """`dist.P2POp` while a meter is active: torch's P2POp holding torch's own isend/irecv when given
+    the meter's wrappers, since P2POp checks `op in [isend, irecv]` and `batch_isend_irecv` runs
+    `op.op` (testing `op.op is isend`) with identity against torch's functions."""
+
+    def __new__(cls, op, *args, **kwargs):
+        return super().__new__(cls, _unmetered(op), *args, **kwargs)
+
+    def __init__(self, op, *args, **kwargs):
+        super().__init__(_unmetered(op), *args, **kwargs)
 
 
 class CommMeter:
@@ -109,17 +129,34 @@ class CommMeter:
             return "world"
         return self.group_names.get(id(group), f"group{dist.get_process_group_ranks(group)}")
 
+    def _count(self, op, group, args):
+        payload, wire = _wire_bytes(op, dist.get_world_size(group), group, args)
+        key = (op.replace("_single", "").replace("_into_tensor", "").replace("_tensor", ""),
+               self._group_name(group))
+        self.calls[key] += 1
+        self.payload[key] += payload
+        self.wire[key] += wire
+
     def _wrap(self, op, fn):
+        signature = inspect.signature(fn)  # of torch's function (wraps below lets a nested meter see it)
+
+        @functools.wraps(fn)
         def metered(*args, **kwargs):
-            group = kwargs.get("group")  # this project always passes the group by keyword
-            n = dist.get_world_size(group)
-            payload, wire = _wire_bytes(op, n, args, kwargs)
-            key = (op.replace("_single", "").replace("_into_tensor", "").replace("_tensor", ""),
-                   self._group_name(group))
-            self.calls[key] += 1
-            self.payload[key] += payload
-            self.wire[key] += wire
+            call = signature.bind(*args, **kwargs)
+            call.apply_defaults()
+            self._count(op, call.arguments.get("group"), list(call.arguments.values()))
             return fn(*args, **kwargs)
+        metered.unmetered = fn
+        return metered
+
+    def _wrap_batch(self, fn):
+        @functools.wraps(fn)
+        def metered(p2p_op_list):
+            for p2p in p2p_op_list:   # torch runs p2p.op unwrapped: count it here, once
+                op = "isend" if p2p.op is dist.distributed_c10d.isend else "irecv"
+                self._count(op, p2p.group, [p2p.tensor])
+            return fn(p2p_op_list)
+        metered.unmetered = fn
         return metered
 
     def __enter__(self):
@@ -127,6 +164,8 @@ class CommMeter:
             if hasattr(dist, op):
                 self._saved[op] = getattr(dist, op)
                 setattr(dist, op, self._wrap(op, self._saved[op]))
+        self._saved["batch_isend_irecv"], self._saved["P2POp"] = dist.batch_isend_irecv, dist.P2POp
+        dist.batch_isend_irecv, dist.P2POp = self._wrap_batch(dist.batch_isend_irecv), _P2POp
         return self
 
     def __exit__(self, *exc):

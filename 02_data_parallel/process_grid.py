@@ -19,6 +19,7 @@ Every group of every dimension is created on every rank, in the same order, as t
 requires; a rank keeps the ones it belongs to in a frozen dataclass that is passed explicitly.
 """
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,14 @@ def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: i
                        **{f"{name}_group": group for name, (group, _) in mine.items()})
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now: the system's pick for port 0 (a fixed one, torchrun's 29500,
+    would make a second run on the machine fail with "address already in use")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
     """Join the job `torchrun` (or the test harness) started and build the grid.
 
@@ -126,7 +135,7 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        if "RANK" not in os.environ:  # plain `python train.py`: a world of one, on a port no other run holds
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return build_process_grid(dp, pp, cp, tp, ep)

@@ -8,7 +8,7 @@ the partial results with the online-softmax (log-sum-exp) rule, as FlashAttentio
 
     lse = log(e^lse₁ + e^lse₂),   out = out₁·e^(lse₁ − lse) + out₂·e^(lse₂ − lse)
 
-    step s = 0 … cp−1:  isend my current K/V to rank+1, irecv the next from rank−1   (overlapped)
+    step s = 0 … cp−1:  send my current K/V to rank+1, receive the next from rank−1   (overlapped)
                         attend my queries to the K/V block of rank (r − s) mod cp, merge
                         wait for the transfer
 Communication per layer and micro-batch (forward): cp−1 K/V blocks of 2·b·(s/cp)·h_kv elements sent
@@ -108,13 +108,18 @@ def merge(out, lse, tile_out, tile_lse):
 # The ring
 # ======================================================================================
 def ring_shift(tensor, group, tag):
-    """Start sending `tensor` to the next rank of the ring and receiving the previous rank's."""
+    """Start sending `tensor` (any shape) to the next rank of the ring and receiving the previous
+    rank's into a tensor like it, as one batch; -> (received, requests to wait on)."""
     ranks = dist.get_process_group_ranks(group)
     me = dist.get_rank(group)
     received = torch.empty_like(tensor)
-    requests = [dist.isend(tensor.contiguous(), ranks[(me + 1) % len(ranks)], group=group, tag=tag),
-                dist.irecv(received, ranks[(me - 1) % len(ranks)], group=group, tag=tag)]
-    return received, requests
+    # One batch, never a lone isend then irecv: NCCL's send and receive each block the GPU stream until
+    # the peer's matching call runs, and with cp = 2 the next and previous rank are the same peer, so
+    # both ranks' sends would wait for receives queued behind them. A batch is one NCCL group, whose
+    # calls progress together (NCCL user guide, "Point-to-point communication": sendrecv).
+    return received, dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, tensor.contiguous(), ranks[(me + 1) % len(ranks)], group=group, tag=tag),
+         dist.P2POp(dist.irecv, received, ranks[(me - 1) % len(ranks)], group=group, tag=tag)])
 
 
 def _wait(requests):
@@ -131,7 +136,7 @@ def _tiles(layout, rank, src):
 class RingAttentionFunction(torch.autograd.Function):
     """Causal attention of this rank's queries to every rank's keys/values over the cp ring.
 
-    Forward: cp−1 isend/irecv of the stacked K/V block (2, B, nkv, T/cp, hd), each overlapped with
+    Forward: cp−1 send/receive of the stacked K/V block (2, B, nkv, T/cp, hd), each overlapped with
     the tiles of the block in hand. Backward: the same ring for K/V, plus the accumulated dK/dV of
     each block travelling one hop behind it, cp hops, so that each block's gradient ends at home.
     """

@@ -11,22 +11,18 @@ name (a module-level function), as `spawn` pickles it. Results may hold tensors:
 """
 import os
 import pickle
-import socket
 import traceback
 from datetime import timedelta
+from importlib import import_module
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+free_port = import_module("02_data_parallel.process_grid").free_port
+
 
 class RankError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world_size, port, fn, args, kwargs, queue, timeout):

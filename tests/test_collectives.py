@@ -4,7 +4,8 @@ Exact comparisons (small integers in float32 are exact). 3 ranks (a group of ran
 4-rank spawn), the playbook appendix's setting; the ring all-reduce on 4 ranks with K = 10 (not
 divisible by 4), where the elements each rank sends are 2K − |chunk r+1| − |chunk r+2| and add up
 to 2(N−1)K over the ranks; with N | K that is 2(N−1)K/N per rank (checked with K = 12). The
-communication meter must see the same bytes for the ring's isends.
+communication meter must see the same bytes for the ring's isends, and the same counts whether
+point-to-point calls are made one by one or batched, and wherever the group is passed.
 """
 from importlib import import_module
 
@@ -62,3 +63,73 @@ def test_collectives_match_playbook_and_ring_all_reduce():
         assert r["ring_wire"] == 4 * sent                                   # fp32: the meter agrees
     assert sum(r["ring"][2] for r in results) == 2 * (n - 1) * k
     assert all(r["ring_divisible_sent"] == 2 * (n - 1) * 12 // n for r in results)   # 18 each
+
+
+# ======================================================================================
+# The meter: batched point-to-point and positional groups
+# ======================================================================================
+def _exchanges_rank(modes):
+    """3 ranks: a ring in the world (rank r sends r+1 floats on) and, on ranks 0 and 1, an exchange and
+    an all-reduce in a group passed positionally; with isend/irecv, or batched with P2POps built inside
+    the meter (the ring's) and before it (the pair's)."""
+    import torch.distributed as dist
+    comm = import_module("02_data_parallel.comm")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pair = dist.new_group([0, 1])                                            # every rank creates it
+    nxt, prv, other, in_pair = (rank + 1) % world, (rank - 1) % world, 1 - rank, rank < 2
+    results = {}
+    for mode in modes:
+        send = torch.full((rank + 1,), float(rank))
+        ring_in, pair_in = torch.empty(prv + 1), torch.empty(other + 1)
+        if in_pair:
+            prebuilt = [dist.P2POp(dist.isend, send, other, pair),
+                        dist.P2POp(dist.irecv, pair_in, other, pair)]
+        with comm.CommMeter({id(pair): "pair"}) as meter:
+            if mode == "isend":
+                works = [dist.isend(send, nxt), dist.irecv(ring_in, prv)]
+                works += [dist.isend(send, other, pair), dist.irecv(pair_in, other, pair)] if in_pair else []
+            else:
+                ring = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, ring_in, prv)]
+                assert ring[0].op is dist.distributed_c10d.isend, "torch tests op.op is isend"
+                works = dist.batch_isend_irecv(ring) + (dist.batch_isend_irecv(prebuilt) if in_pair else [])
+            for work in works:
+                work.wait()
+            if in_pair:
+                dist.all_reduce(torch.ones(2), dist.ReduceOp.SUM, pair)
+        assert dist.P2POp is dist.distributed_c10d.P2POp and dist.isend is dist.distributed_c10d.isend
+        results[mode] = (dict(meter.calls), dict(meter.payload), dict(meter.wire),
+                         ring_in.tolist(), pair_in.tolist())
+    return results
+
+
+def _expected_exchanges(rank):
+    """calls, payload and wire bytes of _exchanges_rank by the meter's conventions (float32)."""
+    prv, other = (rank - 1) % 3, 1 - rank
+    calls = {("isend", "world"): 1, ("irecv", "world"): 1}
+    payload = {("isend", "world"): 4 * (rank + 1), ("irecv", "world"): 4 * (prv + 1)}
+    wire = {("isend", "world"): 4 * (rank + 1), ("irecv", "world"): 0}
+    if rank < 2:
+        calls.update({("isend", "pair"): 1, ("irecv", "pair"): 1, ("all_reduce", "pair"): 1})
+        payload.update({("isend", "pair"): 4 * (rank + 1), ("irecv", "pair"): 4 * (other + 1),
+                        ("all_reduce", "pair"): 8})
+        wire.update({("isend", "pair"): 4 * (rank + 1), ("irecv", "pair"): 0, ("all_reduce", "pair"): 8})
+    return calls, payload, wire
+
+
+def test_meter_reads_the_group_passed_positionally():
+    """`dist.isend(t, peer, pair)` and `dist.all_reduce(t, op, pair)` are counted under "pair", as with
+    group=pair. Exact byte counts: float32 sizes, and the all-reduce's wire 2(N−1)/N·K is K for N = 2."""
+    for rank, result in enumerate(run_ranks(_exchanges_rank, 3, args=(("isend",),))):
+        calls, payload, wire, ring_in, pair_in = result["isend"]
+        assert (calls, payload, wire) == _expected_exchanges(rank)
+        assert ring_in == [float((rank - 1) % 3)] * ((rank - 1) % 3 + 1)
+
+
+def test_meter_counts_batched_p2p_like_isend_irecv():
+    """The same exchange through `batch_isend_irecv` (P2POps built inside the meter and before it) is
+    counted exactly like isend/irecv: same operation and group names, same bytes; the data arrive."""
+    for rank, result in enumerate(run_ranks(_exchanges_rank, 3, args=(("isend", "batch"),))):
+        assert result["batch"] == result["isend"]
+        assert result["batch"][:3] == _expected_exchanges(rank)
+        if rank < 2:
+            assert result["batch"][4] == [float(1 - rank)] * (2 - rank)

@@ -11,12 +11,14 @@ zig-zag gives every rank the same number of attention tiles while contiguous doe
 Whole runs (float32, 3 AdamW steps) equal 01 for the same global batch, with the tolerances of
 test_tensor_parallel.py (same reasons; ring attention's log-sum-exp merge rounds like SDPA's).
 """
+import contextlib
 import copy
 import os
 from importlib import import_module
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import common
 from harness import run_ranks
@@ -117,6 +119,20 @@ def saved_bytes(model, x, y, pos=None, only=None):
     return total
 
 
+@contextlib.contextmanager
+def batches_posted():
+    """Spy on dist.batch_isend_irecv: yields the list of batches posted, each [(op name, peer rank)]."""
+    real, posted, c10d = dist.batch_isend_irecv, [], dist.distributed_c10d
+    def spy(p2p_op_list):
+        posted.append([("isend" if op.op is c10d.isend else "irecv", op.peer) for op in p2p_op_list])
+        return real(p2p_op_list)
+    dist.batch_isend_irecv = spy
+    try:
+        yield posted
+    finally:
+        dist.batch_isend_irecv = real
+
+
 def measure(tp_grid, cp_grid, solo_grid):
     """Communication of one TP / TP+SP decoder layer and of ring attention; activation bytes."""
     out, ids = {}, torch.randint(0, V, (B, T + 1))
@@ -139,11 +155,12 @@ def measure(tp_grid, cp_grid, solo_grid):
             model = context_parallel.apply_context_parallel(small_model(torch.float32), layout, grid.cp_group)
             pos = layout.positions(grid.cp_rank, T)
             out[kind, cp, "bytes"] = saved_bytes(model, x[:, pos], None, pos)
-            with comm.CommMeter(grid.group_names()) as forward:
+            with batches_posted() as forward_batches, comm.CommMeter(grid.group_names()) as forward:
                 loss = model(x[:, pos], labels=y[:, pos], position_ids=pos)
-            with comm.CommMeter(grid.group_names()) as backward:
+            with batches_posted() as backward_batches, comm.CommMeter(grid.group_names()) as backward:
                 loss.backward()
             out[kind, cp, "comm"] = [(dict(m.calls), dict(m.payload)) for m in (forward, backward)]
+            out[kind, cp, "batches"] = [forward_batches, backward_batches]
     return out
 
 
@@ -204,6 +221,18 @@ def test_context_parallel_divides_activations_and_sends_cp_minus_1_blocks(measur
             assert bwd_calls == {("isend", "cp"): L * (1 + 2), ("irecv", "cp"): L * (1 + 2)}
             assert bwd_payload[("isend", "cp")] == L * 3 * block
             assert result[kind, 1, "comm"] == [({}, {}), ({}, {})]    # one rank: no ring at all
+
+
+def test_ring_posts_each_step_send_and_receive_as_one_batch(measured):
+    """Every hop of ring attention is one `batch_isend_irecv` of [send to next, receive from previous]
+    (with cp = 2 both are the other rank: the case NCCL deadlocks on unbatched). Forward: cp−1 hops per
+    layer; backward: cp−1 K/V hops + cp dK/dV hops; no ring at all with cp = 1. Together with the
+    meter's counts above (one isend per hop), no send or receive is left outside a batch."""
+    for rank, result in enumerate(measured):
+        hop = [("isend", 1 - rank), ("irecv", 1 - rank)]
+        for kind in context_parallel.LAYOUTS:
+            assert result[kind, 2, "batches"] == [[hop] * L * 1, [hop] * L * (1 + 2)]
+            assert result[kind, 1, "batches"] == [[], []]
 
 
 def tile_counts():

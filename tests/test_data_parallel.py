@@ -2,9 +2,15 @@
 
 Compared: `--dp 4 --mbs 1 --grad-acc 2` in each --dp-mode against 01's `--mbs 4 --grad-acc 2` (the
 same global batch), per-step losses and final parameters; the bytes the meter saw against the
-docstring's 2(N−1)/N·Ψ; and the order of hook events, which shows the overlap is real.
+docstring's 2(N−1)/N·Ψ; and the order of hook events, which shows the overlap is real. Without
+torchrun, two runs at once on one machine each get a world of one (no shared rendezvous port).
 """
+import os
+import select
+import subprocess
+import sys
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +48,37 @@ def test_bad_layout_fails_before_any_process_group(monkeypatch, capsys):
         train02.parse_and_check(common.argv("--dp", 3), "test")
     assert "launch with --nproc_per_node 3" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+HOLD_A_WORLD_OF_ONE = """
+import sys
+from importlib import import_module
+grid = import_module("02_data_parallel.process_grid").init_distributed("cpu")
+print("initialised a world of", grid.world_size, flush=True)
+sys.stdin.readline()   # hold the process group until the test lets go
+"""
+
+
+def test_two_plain_runs_at_once_both_initialise():
+    """Two `python train.py` runs on one machine, without torchrun (no RANK in the environment): each
+    builds a world of one, the second while the first still holds its process group, so they must
+    not share a rendezvous port."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    runs = []
+    try:
+        for _ in range(2):
+            pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            runs.append(subprocess.Popen([sys.executable, "-c", HOLD_A_WORLD_OF_ONE], env=env, text=True, **pipes))
+            ready, _, _ = select.select([runs[-1].stdout], [], [], 120)
+            line = runs[-1].stdout.readline() if ready else "(no answer within 120 s)"
+            if line != "initialised a world of 1\n":
+                runs[-1].kill()
+                pytest.fail(f"run {len(runs)} did not initialise: {line}{runs[-1].stderr.read()[-2000:]}")
+    finally:
+        for run in runs:
+            run.communicate(timeout=60)   # closes stdin: the run lets go and exits
 
 
 def _average_gradients_rank():
