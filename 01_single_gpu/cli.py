@@ -5,6 +5,7 @@ Defined once here; a later folder calls `core_parser()` and adds only its own pa
 tokens) give the same losses in every folder and every parallel layout.
 """
 import argparse
+from importlib import import_module
 
 import torch
 
@@ -93,9 +94,28 @@ def parse_args(parser, argv=None):
     return args
 
 
+def setup(parser, argv=None, check_layout=None):
+    """(args, model config, dataset): everything a run must know before any process group exists.
+
+    Parses and checks the flags, loads the tokenizer, makes the model config, runs the trainer's
+    `check_layout(args, config)` (its parallel degrees against the model and the world size), then builds
+    or reads the data windows. A mistake in any of them exits at once with one line naming the fix.
+    """
+    args = parse_args(parser, argv)
+    data = import_module("01_single_gpu.data")
+    try:
+        tokenizer = data.load_tokenizer(args.tokenizer)
+        config = model_config(args, tokenizer.vocab_size)
+        if check_layout is not None:
+            check_layout(args, config)
+        dataset = data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    return args, config, dataset
+
+
 def model_config(args, tokenizer_vocab: int):
     """The LlamaConfig the flags describe (or the one stored with --init-from)."""
-    from importlib import import_module
     model_mod, hf_io = import_module("01_single_gpu.model"), import_module("01_single_gpu.hf_io")
     if args.init_from:
         config = hf_io.config_from_hf(args.init_from, model_mod.LlamaConfig)

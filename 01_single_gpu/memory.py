@@ -125,3 +125,11 @@ def memory_report(params, optimizer, activations: int, grad_dtype=None, optimize
         optimizer_bytes = optimizer_state_bytes(optimizer) or 2 * tensor_bytes(params)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return MemoryReport(tensor_bytes(params), grads, optimizer_bytes, activations, peak)
+
+
+def print_report(model, optimizer, activations: int, args, config=None, title="memory per rank"):
+    """The memory table of a rank's model states (measured from its tensors) and activations (estimate)."""
+    if config is not None:
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {config}")
+    grad_dtype = torch.float32 if args.dtype == "bfloat16" else None
+    print(memory_report(model.parameters(), optimizer, activations, grad_dtype).table(title))

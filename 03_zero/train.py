@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import os
 from importlib import import_module
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 memory = base.memory
 dp_train = import_module("02_data_parallel.train")
 zero_mod = import_module("03_zero.zero")

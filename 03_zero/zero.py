@@ -43,7 +43,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 memory = import_module("01_single_gpu.memory")
 comm = import_module("02_data_parallel.comm")
 # The embedding's input (token ids) needs no gradient; its backward pre-hook firing on the output

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 import functools
 from importlib import import_module
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 process_grid = import_module("02_data_parallel.process_grid")
 tp_train = import_module("04_tensor_parallel.train")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")

@@ -27,7 +27,7 @@ import functools
 import os
 from importlib import import_module
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 cli, memory = base.cli, base.memory
 process_grid = import_module("02_data_parallel.process_grid")
 dp_train = import_module("02_data_parallel.train")

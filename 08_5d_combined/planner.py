@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 memory = base.memory
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")

@@ -50,7 +50,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")
 memory = base.memory
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")

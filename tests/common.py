@@ -15,7 +15,5 @@ def argv(*extra, steps=3, mbs=4, grad_acc=1, dtype="float32"):
 
 def single_device_run(*extra, **kw):
     """(losses per step, final state dict) of 01_single_gpu for the same flags."""
-    train = import_module("01_single_gpu.train")
-    args = train.cli.parse_args(train.cli.core_parser("test"), argv(*extra, **kw))
-    records, model = train.run(args)
+    records, model = import_module("01_single_gpu.train").main(argv(*extra, **kw))
     return [r["loss"] for r in records], {k: v.detach().clone() for k, v in model.state_dict().items()}

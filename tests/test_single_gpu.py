@@ -21,6 +21,7 @@ import common
 modeling = import_module("01_single_gpu.model")
 hf_io = import_module("01_single_gpu.hf_io")
 train = import_module("01_single_gpu.train")
+optim = import_module("01_single_gpu.optim")
 memory = import_module("01_single_gpu.memory")
 recompute = import_module("01_single_gpu.recompute")
 data = import_module("01_single_gpu.data")
@@ -194,7 +195,7 @@ def test_weight_decay_spares_one_dimensional_parameters():
     a matrix shrinks by exactly (1 − lr·wd), a gain stays 1."""
     model = modeling.LlamaForCausalLM(tiny_config())
     args = type("A", (), {"lr": 0.5, "weight_decay": 0.1})()
-    opt = train.make_optimizer(model.parameters(), args)
+    opt = optim.make_optimizer(model.parameters(), args)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -211,7 +212,7 @@ def test_json_log_and_memory_report(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and [r["loss"] for r in records] == losses
     model = modeling.LlamaForCausalLM(tiny_config())
-    opt = train.make_optimizer(model.parameters(), type("A", (), {"lr": 1e-3, "weight_decay": 0.0})())
+    opt = optim.make_optimizer(model.parameters(), type("A", (), {"lr": 1e-3, "weight_decay": 0.0})())
     n = sum(p.numel() for p in model.parameters())
     report = memory.memory_report(model.parameters(), opt, activations=0)
     assert (report.parameters, report.gradients, report.optimizer) == (4 * n, 4 * n, 8 * n)  # fp32: 16 bytes/param
@@ -317,7 +318,6 @@ def test_parquet_source_and_local_hf_tokenizer(tmp_path):
     windows = data.build_dataset(str(tmp_path / "docs.parquet"), tok, 7, cache_dir=tmp_path / "cache")
     assert tok.vocab_size == 32 and tok.eos_token_id == 0
     assert list(windows[0]["input_ids"]) == [2, 3, 4, 5, 6, 7, 8, 9] and tok.decode(windows[0]["input_ids"][:2]) == "w0 w1"
-    args = train.cli.parse_args(train.cli.core_parser("t"), common.argv(steps=2, mbs=2) + [
+    records, model = train.main(common.argv(steps=2, mbs=2) + [
         "--dataset", str(tmp_path / "docs.parquet"), "--tokenizer", str(tmp_path / "tok")])
-    records, model = train.run(args)
     assert model.config.vocab_size == 64 and len(records) == 2   # 32 rounded up to a multiple of 64 and all(r["loss"] > 0 for r in records)

@@ -26,7 +26,7 @@ from torch import nn
 import common
 from harness import run_ranks
 
-base = import_module("01_single_gpu.train")
+base = import_module("01_single_gpu.legacy_train")   # until 04 is a leaf
 modeling = import_module("01_single_gpu.model")
 hf_io = import_module("01_single_gpu.hf_io")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -54,8 +54,7 @@ def shard_like(full, local, rank, size):
 
 def reference(*extra, **kw):
     """01_single_gpu on the same flags: (losses, grad norms, final state dict)."""
-    args = base.cli.parse_args(base.cli.core_parser("reference"), common.argv(*extra, **kw))
-    records, model = base.run(args)
+    records, model = import_module("01_single_gpu.train").main(common.argv(*extra, **kw))
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
             {k: v.detach().clone() for k, v in model.state_dict().items()})
 
@@ -228,7 +227,7 @@ def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tmp_path):
     embeddings: the full checkpoint is loaded on every rank and sliced, and the tied vocab-parallel
     embedding and head share one (V/t, C) shard."""
     config = base.cli.model_config(base.cli.parse_args(base.cli.core_parser("t"), common.argv("--tie-embeddings")),
-                                   base.data.ByteTokenizer().vocab_size)
+                                   import_module("01_single_gpu.data").ByteTokenizer().vocab_size)
     torch.manual_seed(7)
     hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp_path / "hf")
     init, ckpt = ("--init-from", str(tmp_path / "hf")), str(tmp_path / "ckpt")

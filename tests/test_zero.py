@@ -46,10 +46,8 @@ def world_size():
 
 def single_device(steps, mbs, grad_acc, extra=()):
     """01's losses, gradient norms and final parameters for the same flags."""
-    base = import_module("01_single_gpu.train")
-    args = base.cli.parse_args(base.cli.core_parser("test"),
-                               common.argv(*ODD, *extra, steps=steps, mbs=mbs, grad_acc=grad_acc))
-    records, model = base.run(args)
+    records, model = import_module("01_single_gpu.train").main(
+        common.argv(*ODD, *extra, steps=steps, mbs=mbs, grad_acc=grad_acc))
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], model.state_dict()
 
 

@@ -1,0 +1,68 @@
+"""The loop every trainer runs around its own `train_step` (plumbing, not a technique).
+
+    for step in range(start, --steps):
+        set the learning rate                                   optim.lr_at
+        this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
+        loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
+        log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
+
+Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
+file and nothing else differs between folders. `--resume` first restores the latest checkpoint
+(checkpoint.py checks it is the same run and layout). The first step of a run is measured: the peak of
+what autograd saved for backward is the rank's activation memory (memory.saved_activation_bytes).
+"""
+import contextlib
+from importlib import import_module
+
+build = import_module("01_single_gpu.build")
+checkpoint = import_module("01_single_gpu.checkpoint")
+data = import_module("01_single_gpu.data")
+memory = import_module("01_single_gpu.memory")
+metrics = import_module("01_single_gpu.metrics")
+optim = import_module("01_single_gpu.optim")
+
+
+def train(args, train_step, model, optimizer, dataset, flops_per_token: int, grid=None, layout=None):
+    """Run --steps optimizer steps of `train_step(micro_batches) -> (global loss, grad norm)`.
+
+    `model` is what this rank checkpoints (its shards, its stages), `grid` (02's ProcessGrid, None on one
+    device) says which rows of each global batch this rank reads (its dp coordinate) and who logs, and
+    `layout` (the parallel degrees) is saved with checkpoints and checked on --resume. Returns the records.
+    """
+    device = build.device_of(args)
+    dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
+    is_logging_rank = grid is None or grid.rank == 0
+    layout = layout or {}
+    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
+    start = 0
+    if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
+        checkpoint.check_resume(args, args.checkpoint_dir, sampler.global_batch)
+        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout)
+    args.lr_decay_steps = args.lr_decay_steps or args.steps
+    tokens_per_step = sampler.global_batch * args.seq_len
+    log = metrics.StepLog(args, start, tokens_per_step, flops_per_token * tokens_per_step,
+                          grid.world_size if grid else 1, device, is_logging_rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in range(start, args.steps):
+        log.start_step()
+        lr = optim.lr_at(step, args)
+        optim.set_lr(optimizer, lr)
+        micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, dp_rank))
+                         for m in range(args.grad_acc)]                       # grad_acc × (x, y), (mbs, T) each
+        # The run's first step follows what autograd saves for backward: its peak is the measured
+        # activation memory (the setup table shows Korthikanti's estimate).
+        meter = memory.saved_activation_bytes(exclude=params) if step == start else None
+        with meter or contextlib.nullcontext():
+            loss, grad_norm = train_step(micro_batches)
+        log.end_step(step, loss, lr, grad_norm)
+        if meter:
+            log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                      f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+        if args.checkpoint_dir and (step + 1 == args.steps or
+                                    (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+            checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
+                                       {**layout, "global_batch": sampler.global_batch, "args": vars(args)})
+    log.close()
+    if log.records and is_logging_rank:
+        print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
+    return log.records

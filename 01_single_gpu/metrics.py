@@ -1,0 +1,91 @@
+"""What a run reports per step: loss, learning rate, gradient norm, tokens/s, MFU (plumbing, not a technique).
+
+MFU (playbook §2.1 "MFU and HFU", PaLM App. B): model FLOPs per second over the devices' peak. The model
+FLOPs per token are 6 per matmul parameter (2 forward, 4 backward) plus 12·L·h·s for the causal attention
+scores (the full s×s matrix, as PaLM counts it); recomputed FLOPs are not counted (that would be HFU).
+A trainer whose token does not pass through every parameter (07's MoE) gives its own count.
+
+`StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
+--json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
+"mfu"}), written by the logging rank only.
+"""
+import json
+import time
+from importlib import import_module
+
+import torch
+from tqdm import tqdm
+
+modeling = import_module("01_single_gpu.model")
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}   # dense bf16, per GPU
+
+
+def flops_per_token(config, seq_len: int) -> int:
+    """6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention's 12·L·h·s."""
+    with torch.device("meta"):   # shapes only: no memory, no initialisation (the 1b preset would take seconds)
+        shapes = modeling.LlamaForCausalLM(config)
+    matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
+                        if "embed_tokens" not in n or config.tie_word_embeddings)
+    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def peak_tflops(args, device):
+    """--peak-tflops, else the known GPU's dense bf16 peak, else None (MFU is then not shown)."""
+    if args.peak_tflops:
+        return args.peak_tflops
+    if device.type != "cuda":
+        return None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
+
+
+class StepLog:
+    """Times each step and reports it; `records` keeps what was logged (tests and callers read it)."""
+
+    def __init__(self, args, start: int, tokens_per_step: int, flops_per_step: float, world_size: int,
+                 device, is_logging_rank: bool):
+        self.args, self.device, self.is_logging_rank = args, device, is_logging_rank
+        self.tokens_per_step, self.flops_per_step, self.world_size = tokens_per_step, flops_per_step, world_size
+        self.peak = peak_tflops(args, device)
+        self.records = []
+        self.json = None
+        if args.json_log and is_logging_rank:
+            self.json = open(args.json_log, "a" if args.resume else "w")
+        self.bar = tqdm(total=args.steps, initial=start, disable=not is_logging_rank or args.no_progress,
+                        desc="train", dynamic_ncols=True)
+        self.t0 = time.perf_counter()
+
+    def start_step(self):
+        self.t0 = time.perf_counter()
+
+    def end_step(self, step: int, loss: float, lr: float, grad_norm) -> dict:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
+        seconds = time.perf_counter() - self.t0
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                  "tokens_per_s": self.tokens_per_step / seconds,
+                  "mfu": self.flops_per_step / seconds / (self.peak * 1e12 * self.world_size) if self.peak else None}
+        self.records.append(record)
+        if self.json:
+            self.json.write(json.dumps(record) + "\n")
+            self.json.flush()
+        if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
+            mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB" if self.device.type == "cuda"
+                   else "-")
+            mfu = f"{record['mfu']:.1%}" if self.peak else "n/a"
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, mem=mem)
+            if self.args.no_progress:
+                print(f"step {step + 1:>5} | loss {loss:.4f} | lr {lr:.2e} | tok/s {record['tokens_per_s']:.0f} "
+                      f"| mfu {mfu} | mem {mem}", flush=True)
+        self.bar.update(1)
+        return record
+
+    def write(self, line: str):
+        """A line from the logging rank that does not break the bar."""
+        if self.is_logging_rank:
+            self.bar.write(line)
+
+    def close(self):
+        self.bar.close()
+        if self.json:
+            self.json.close()

@@ -1,0 +1,40 @@
+"""The optimizer and its learning-rate schedule: plumbing every trainer shares, not a technique.
+
+AdamW (Loshchilov & Hutter) with Llama's β = (0.9, 0.95), decoupled weight decay on the matrices and
+embeddings only, and the schedule of playbook §2.1's training runs: a linear warm-up to --lr over
+--warmup-steps, then a cosine decay to lr·min_lr_ratio at step --lr-decay-steps (default --steps), flat
+after it. Parallel folders keep this optimizer and change only which tensors it steps (ZeRO: shards).
+"""
+import math
+
+import torch
+
+
+def decays(p) -> bool:
+    """Weight decay applies to the matrices and the embedding (2-D), not to the RMSNorm gains (1-D):
+    nanoGPT's and Megatron's rule, since shrinking a gain only rescales its layer. A ZeRO shard is a
+    flat 1-D piece of several parameters: it says what it holds through a `decays` attribute."""
+    return getattr(p, "decays", p.dim() >= 2)
+
+
+def make_optimizer(params, args):
+    """AdamW (β = 0.9, 0.95, as Llama) with decoupled weight decay on the parameters `decays` picks."""
+    params = list(params)
+    groups = [{"params": [p for p in params if decays(p)], "weight_decay": args.weight_decay},
+              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warm-up to --lr, then cosine decay to lr·min_lr_ratio at step --lr-decay-steps (default:
+    the last step), and lr·min_lr_ratio after it."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    decay_steps = args.lr_decay_steps or args.steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, decay_steps - args.warmup_steps))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer, lr: float):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
