@@ -15,14 +15,18 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
 Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
 on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
 Each schedule is `train_step_*(pipe, micro_batches)` -> the local mean loss (0 off the last stage);
-`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline.
+`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline. ZB-H1's B/W
+split is zero_bubble.py's.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 """
 import time
 from dataclasses import dataclass
+from importlib import import_module
 
 import torch
+
+zero_bubble = import_module("06_pipeline.zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -40,23 +44,21 @@ class Event:
 
 class Pipeline:
     """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
-    chunk) whose activations are kept for a backward not yet run."""
+    chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
 
-    def __init__(self, stages, p2p):
+    split_backward (ZB-H1): the linear layers' dW is split off the backward (zero_bubble.py) into
+    `weight_store`, which this pipeline owns; `backward_input` and `backward_weight` run the halves."""
+
+    def __init__(self, stages, p2p, split_backward=False):
         self.stages, self.p2p = stages, p2p
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
         self.events, self.peak_held = [], 0
-        self._capturing = None
-        for module in stages.modules():       # ZB-H1 needs the output of every module that owns weights
-            if list(module.parameters(recurse=False)):
-                module.register_forward_hook(self._capture)
+        self.weight_store = zero_bubble.WeightGradStore() if split_backward else None
+        if split_backward:
+            zero_bubble.split_weight_gradients(stages, self.weight_store)
 
-    def _capture(self, module, inputs, output):
-        if self._capturing is not None:
-            self._capturing.append((module, output))
-
-    def begin(self, micro_batches, split_backward=False):
-        self.micro_batches, self.m, self.split_backward = micro_batches, len(micro_batches), split_backward
+    def begin(self, micro_batches):
+        self.micro_batches, self.m = micro_batches, len(micro_batches)
         self.saved, self.loss, self.events, self.peak_held = {}, 0.0, [], 0
         self.p2p.sent = []
 
@@ -66,59 +68,47 @@ class Pipeline:
         self.events.append(Event(self.rank, op, micro, chunk, start, time.time()))
         return result
 
+    def _held(self):
+        return len(self.saved) + (self.weight_store.pending() if self.weight_store else 0)
+
     def forward(self, micro: int, chunk: int = 0):
         """F: receive the input, run the chunk, send the output (or keep the loss / m on the last stage)."""
         stage = self.stages[chunk]
         x, labels = self.micro_batches[micro]                                 # (mbs, T) each
         if not stage.is_first:
             x = self.p2p.recv_forward(micro, chunk)                           # (mbs, T, C)
-        self._capturing = [] if self.split_backward else None
         out = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
         if stage.is_last:
             out = out / self.m                                                # 01 averages over micro-batches
             self.loss += out.detach()
         else:
             self.p2p.send_forward(out, micro, chunk)
-        self.saved[micro, chunk] = (None if stage.is_first else x, out, self._capturing)
-        self._capturing = None
-        self.peak_held = max(self.peak_held, len(self.saved))
+        self.saved[micro, chunk] = (None if stage.is_first else x, out)
+        self.peak_held = max(self.peak_held, self._held())
 
     def backward(self, micro: int, chunk: int = 0):
         """B (weights included): receive d out, backpropagate through the chunk, send d input."""
         stage = self.stages[chunk]
-        x, out, _ = self.saved.pop((micro, chunk))
+        x, out = self.saved.pop((micro, chunk))
         dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
         self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
         if x is not None:
             self.p2p.send_backward(x.grad, micro, chunk)
 
     def backward_input(self, micro: int, chunk: int = 0):
-        """ZB's B: gradients w.r.t. the chunk input and every weight-owning module's output only
-        (dX = dY·Wᵀ, no dW yet); the graph is kept for W."""
-        stage = self.stages[chunk]
-        x, out, captured = self.saved[micro, chunk]
-        dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
-        targets = ([x] if x is not None else []) + [y for _, y in captured]
-        grads = self._timed("B", micro, chunk, lambda: torch.autograd.grad(
-            out, targets, grad_outputs=dout, retain_graph=True))
-        if x is not None:
-            self.p2p.send_backward(grads[0], micro, chunk)
-            grads = grads[1:]
-        self.saved[micro, chunk] = (x, out, [(module, y, dy) for (module, y), dy in zip(captured, grads)])
+        """ZB's B: the same backward, every collective's backward included, but the linear layers'
+        dW = dYᵀ·X are queued in the weight store (their X and dY are held until W)."""
+        with self.weight_store.collect((micro, chunk)):
+            self.backward(micro, chunk)
 
     def backward_weight(self, micro: int, chunk: int = 0):
-        """ZB's W: dW = Xᵀ·dY for every weight-owning module, from its saved output gradient dY; each
-        module alone, so a gradient never flows on into the modules before it (B did that)."""
-        _, _, captured = self.saved.pop((micro, chunk))
-
-        def weight_gradients():
-            for module, y, dy in captured:
-                torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)), retain_graph=True)
-        self._timed("W", micro, chunk, weight_gradients)
+        """ZB's W: the queued dW matmuls of (micro, chunk), added into .grad; no communication."""
+        self._timed("W", micro, chunk, lambda: self.weight_store.run((micro, chunk)))
 
     def finish(self):
         self.p2p.finish()
-        assert not self.saved, f"passes left unfinished: {sorted(self.saved)}"
+        deferred = self.weight_store.queues if self.weight_store else {}
+        assert not self.saved and not deferred, f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
         return self.loss
 
 
@@ -193,7 +183,9 @@ def train_step_zb_h1(pipe, micro_batches):
     """1F1B's order of F and B; stage r runs micro-batch i's W only after the B of micro-batch i+r,
     so the r deferred Ws fill the cool-down, where 1F1B waits for gradients from later stages.
     Held micro-batches: (p−r−1 warm-up) + 1 + r deferred = p on every stage (1F1B's peak)."""
-    pipe.begin(micro_batches, split_backward=True)
+    if pipe.weight_store is None:
+        raise ValueError("train_step_zb_h1 needs Pipeline(..., split_backward=True): its B defers dW to W")
+    pipe.begin(micro_batches)
     m, lag = pipe.m, pipe.rank
     warmup = min(pipe.p - pipe.rank - 1, m)
     deferred = []
