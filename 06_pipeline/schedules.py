@@ -15,8 +15,8 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
 Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
 on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
 Each schedule is `train_step_*(pipe, micro_batches)` -> the local mean loss (0 off the last stage);
-`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline. ZB-H1's B/W
-split is zero_bubble.py's.
+`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline with its pass
+clock (the host's on the CPU, CUDA events on a GPU). ZB-H1's B/W split is zero_bubble.py's.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 """
@@ -32,14 +32,60 @@ zero_bubble = import_module("06_pipeline.zero_bubble")
 @dataclass(frozen=True)
 class Event:
     """One pass that a rank really ran: op F (forward), B (backward, or input-gradient only in
-    ZB-H1), W (weight gradient, ZB-H1); wall-clock seconds (time.time(), comparable across processes
-    of one machine)."""
+    ZB-H1), W (weight gradient, ZB-H1); start and end in seconds of the host clock (time.time(),
+    comparable across processes of one machine), measured by the pipeline's pass clock."""
     rank: int
     op: str
     micro: int
     chunk: int
     start: float
     end: float
+
+
+# ======================================================================================
+# Pass clocks: when a pass really ran
+# ======================================================================================
+class HostClock:
+    """CPU: a pass runs while the host runs it, so the host clock times it."""
+
+    def begin_step(self):
+        pass
+
+    def stamp(self):
+        return time.time()
+
+    def seconds(self, stamps):
+        return list(stamps)
+
+
+class DeviceClock:
+    """CUDA: the host only queues kernels, and does not wait for an irecv (the stream does), so host
+    time would say when a pass was queued. Events recorded on the stream say when it ran: at the step's
+    start one wait for the reference event, then host time t0; a pass's time is t0 + the device time
+    elapsed since the reference, resolved after one more wait at the end of the step (none per pass)."""
+
+    def __init__(self, event_class):
+        self.event_class = event_class            # torch.cuda.Event (a fake one in the tests)
+
+    def begin_step(self):
+        self.reference = self.stamp()
+        self.reference.synchronize()              # the stream has drained up to now
+        self.t0 = time.time()
+
+    def stamp(self):
+        event = self.event_class(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, stamps):
+        if stamps:
+            stamps[-1].synchronize()              # the last event ran, so did every earlier one (one stream)
+        return [self.t0 + self.reference.elapsed_time(e) / 1e3 for e in stamps]   # elapsed_time: ms
+
+
+def pass_clock(device):
+    """The clock for `device`: CUDA events on a GPU; the host clock (and no torch.cuda call) on the CPU."""
+    return DeviceClock(torch.cuda.Event) if device.type == "cuda" else HostClock()
 
 
 class Pipeline:
@@ -49,8 +95,8 @@ class Pipeline:
     split_backward (ZB-H1): the linear layers' dW is split off the backward (zero_bubble.py) into
     `weight_store`, which this pipeline owns; `backward_input` and `backward_weight` run the halves."""
 
-    def __init__(self, stages, p2p, split_backward=False):
-        self.stages, self.p2p = stages, p2p
+    def __init__(self, stages, p2p, clock=None, split_backward=False):
+        self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
         self.events, self.peak_held = [], 0
         self.weight_store = zero_bubble.WeightGradStore() if split_backward else None
@@ -59,13 +105,14 @@ class Pipeline:
 
     def begin(self, micro_batches):
         self.micro_batches, self.m = micro_batches, len(micro_batches)
-        self.saved, self.loss, self.events, self.peak_held = {}, 0.0, [], 0
+        self.saved, self.loss, self.events, self.peak_held, self._stamps = {}, 0.0, [], 0, []
         self.p2p.sent = []
+        self.clock.begin_step()
 
     def _timed(self, op, micro, chunk, fn):
-        start = time.time()
+        start = self.clock.stamp()
         result = fn()
-        self.events.append(Event(self.rank, op, micro, chunk, start, time.time()))
+        self._stamps.append((op, micro, chunk, start, self.clock.stamp()))
         return result
 
     def _held(self):
@@ -109,6 +156,9 @@ class Pipeline:
         self.p2p.finish()
         deferred = self.weight_store.queues if self.weight_store else {}
         assert not self.saved and not deferred, f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
+        times = self.clock.seconds([t for *_, start, end in self._stamps for t in (start, end)])
+        self.events = [Event(self.rank, op, micro, chunk, start, end) for (op, micro, chunk, *_), start, end
+                       in zip(self._stamps, times[::2], times[1::2])]
         return self.loss
 
 

@@ -118,7 +118,8 @@ def run(args):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, base.param_dtype(args), device)
-    pipe = schedules.Pipeline(stages, p2p, split_backward=args.pp_schedule == "zb-h1")   # ZB-H1: dW off B
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
+                              split_backward=args.pp_schedule == "zb-h1")
     plan = make_plan(args, grid, stages, pipe)
     element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)

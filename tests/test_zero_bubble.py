@@ -15,10 +15,12 @@ entries that are zero. The Triton run reorders nothing between the two schedules
 
 Layer checks (no ranks): the split linear under bf16 autocast computes what F.linear computes there
 (bf16 matmuls, dW accumulated into the fp32 .grad), W adds into an existing .grad in place (ZeRO-1's
-views into a flat buffer).
+views into a flat buffer); the CUDA pass clock, driven by a fake event class on the CPU, turns events
+into times on the host clock of the step's start and waits for the device once per step end.
 """
 import contextlib
 import os
+import time
 from importlib import import_module
 
 import pytest
@@ -43,7 +45,8 @@ def _pipeline(args, grid, stages):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, base.param_dtype(args), base.device_of(args))
-    return schedules.Pipeline(stages, p2p, split_backward=args.pp_schedule == "zb-h1")
+    return schedules.Pipeline(stages, p2p, schedules.pass_clock(base.device_of(args)),
+                              split_backward=args.pp_schedule == "zb-h1")
 
 
 def _metered(pipe, method, meter, calls):
@@ -129,7 +132,7 @@ def test_zb_h1_weight_passes_issue_no_communication_under_sp():
 
 
 # ======================================================================================
-# Without ranks: the split linear and the store
+# Without ranks: the split linear, the store, the clock
 # ======================================================================================
 def test_split_linear_under_bf16_autocast_matches_f_linear():
     """fp32 master weight, bf16 autocast on the CPU: the output, dX and the weight's fp32 .grad equal
@@ -174,3 +177,48 @@ def test_weight_pass_accumulates_into_an_existing_grad_in_place():
     assert w.grad.data_ptr() == flat[4:].data_ptr()
     torch.testing.assert_close(flat[4:16].view(3, 4), 1 + dy.t() @ x.detach(), rtol=1e-15, atol=0)
     assert (flat[:4] == 1).all() and (flat[16:] == 1).all()
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event's interface on a fake device whose stream runs 1 s of work before each recorded
+    event, whatever the host does: the device lags the host as a GPU behind a non-blocking irecv does."""
+    device_clock, done_through, synchronizations = 1000.0, 0.0, 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "elapsed_time needs enable_timing=True"
+        self.at = None
+
+    def record(self):
+        FakeCudaEvent.device_clock += 1.0
+        self.at = FakeCudaEvent.device_clock
+
+    def synchronize(self):            # waits until this event (and all before it on the stream) has run
+        FakeCudaEvent.synchronizations += 1
+        FakeCudaEvent.done_through = max(FakeCudaEvent.done_through, self.at)
+
+    def elapsed_time(self, end):      # milliseconds; CUDA refuses it before both events have completed
+        assert max(self.at, end.at) <= FakeCudaEvent.done_through, "elapsed_time before the events completed"
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_pass_clock_with_fake_events():
+    """A one-stage pipeline (no messages) runs a 1F1B step timed by the CUDA clock: every pass's start
+    and end are the step's host time t0 plus the device time elapsed since the reference event (1 s per
+    event here), resolved by one wait at the end of the step (and one at its start), never per pass."""
+    modeling = import_module("01_single_gpu.model")
+    torch.manual_seed(0)
+    config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)
+    p2p = pipeline.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
+    clock = schedules.DeviceClock(FakeCudaEvent)
+    pipe = schedules.Pipeline(stages, p2p, clock)
+    micro_batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)]
+    FakeCudaEvent.synchronizations = 0
+    schedules.train_step_1f1b(pipe, micro_batches)
+    assert FakeCudaEvent.synchronizations == 2
+    t0 = pipe.events[0].start - 1.0                  # the reference event ran 1 s before the first pass's start
+    assert [(e.op, e.micro, e.start - t0, e.end - t0) for e in pipe.events] == \
+        [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0), ("F", 1, 5.0, 6.0), ("B", 1, 7.0, 8.0),
+         ("F", 2, 9.0, 10.0), ("B", 2, 11.0, 12.0)]
+    assert timeline.timeline_violations(pipe.events, 1) == []
+    assert abs(t0 - time.time()) < 60                 # host seconds, comparable across ranks, not device ones
