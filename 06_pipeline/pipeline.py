@@ -34,8 +34,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
 
-def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_acc: int, tie_embeddings: bool,
-                   recompute: str = "none"):
+def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_acc: int, tie_embeddings: bool):
     """Every pipeline layout error, raised before any process group exists."""
     if pp < 1 or chunks < 1:
         raise ValueError(f"--pp and --pp-chunks must be at least 1 (got pp={pp}, pp-chunks={chunks})")
@@ -50,9 +49,6 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
     if schedule == "interleaved" and grad_acc % pp:
         raise ValueError(f"the interleaved schedule needs --grad-acc (micro-batches) a multiple of pp={pp}, "
                          f"got {grad_acc} (Megatron §4.2.1); use --grad-acc {math.ceil(grad_acc / pp) * pp}")
-    if schedule == "zb-h1" and recompute == "full":
-        raise ValueError("--pp-schedule zb-h1 splits the backward at every weight's output, which full "
-                         "recomputation does not keep; use --recompute selective or none")
     if tie_embeddings and pp > 1:
         raise ValueError("--tie-embeddings with --pp > 1 is not supported: the embedding (first stage) and the "
                          "lm head (last stage) live on different ranks; drop --tie-embeddings")

@@ -1,7 +1,8 @@
 """The executed pipeline timeline: bubble fractions (measured, replayed, theory), checks, a picture.
 
 Playbook §2.6 (the AFAB / 1F1B / interleaved / ZB figures). Every schedule records the passes a
-rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, wall-clock start and end);
+rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, start and end in host-clock
+seconds: timed by the host on the CPU, by CUDA events on a GPU, where the host only queues the work);
 this file turns the events of all ranks of one pipeline into
 
   * the measured bubble: span of the step T, rank r busy for busy_r, bubble_r = (T − busy_r)/busy_r

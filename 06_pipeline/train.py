@@ -60,7 +60,7 @@ def parse(argv=None):
     args = cli.parse_args(parser, argv)
     try:
         pipeline.check_pipeline(args.num_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
-                                args.tie_embeddings, args.recompute)
+                                args.tie_embeddings)
         process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, pp=args.pp)
     except ValueError as error:
         parser.error(str(error))
@@ -118,7 +118,8 @@ def run(args):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, base.param_dtype(args), device)
-    pipe = schedules.Pipeline(stages, p2p)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
+                              split_backward=args.pp_schedule == "zb-h1")
     plan = make_plan(args, grid, stages, pipe)
     element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)

@@ -23,8 +23,7 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
   s_r = s/cp tokens per rank, L_r = layers on the rank, first/last = 1 on that stage):
       tp  m·(8·L_r + 2·first + 2·last)·(t−1)/t·b·s_r·h·e            (04/05: f/f̄ or g/ḡ, same bytes)
           + m·last·3·2(t−1)/t·b·s_r·4 (loss statistics) + SP's norm gradients 2(t−1)/t·(2h·L_r + h·last)·e
-          + full recompute: the forward's half again; ZB-H1 under SP: ḡ's all-gather again in the
-          W of o_proj and down_proj, m·2·L_r·(t−1)/t·b·s_r·h·e
+          + full recompute: the forward's half again (ZB-H1's W passes communicate nothing: 06's zero_bubble.py)
       cp  ring: m·L_r·(3cp − 2 [+ cp − 1 recomputed])·2·b·s_r·(h_kv/t)·max(e, 4)   (05, fp32 blocks)
           ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
           + with experts, the load-balancing statistics (07's moe.py, in fp32 or fp64): all-reduces of
@@ -155,10 +154,6 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     passes = per_layer * layers + 2 * first + 2 * last
     if layout.recompute == "full":
         passes += per_layer // 2 * layers                                    # the forward's collectives again
-    if layout.sp and layout.schedule == "zb-h1":
-        # W goes back from o_proj's / down_proj's output through ḡ's all-gather, which B already ran to
-        # reach the chunk input (the embedding's runs once: B stops at its output, nothing is below it)
-        passes += 2 * layers
     tp = m * passes * ((t - 1) * tokens * h * e // t)
     tp += m * last * 3 * ring(t, tokens * 4)
     if layout.sp:

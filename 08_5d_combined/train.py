@@ -89,7 +89,7 @@ def check_degrees(args, config):
     """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
     experts.check_experts(args)
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
-                            config.tie_word_embeddings, args.recompute)
+                            config.tie_word_embeddings)
     cp_train.check_layout(args, config, pp=args.pp)  # cp/sp/attention rules, tp divisibility, world size
 
 
@@ -197,7 +197,8 @@ def run(args, config):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, base.param_dtype(args), device)                      # (mbs, T/cp[/tp], C)
-    pipe = schedules.Pipeline(stages, p2p)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
+                              split_backward=args.pp_schedule == "zb-h1")
     plan = make_plan(args, grid, stages, pipe, norm_weights, zero1)                # 6. DP inside
     element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)

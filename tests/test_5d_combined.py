@@ -247,7 +247,6 @@ def _check_layout(*flags, world):
     (("--pp", 3), 3, r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"),
     (("--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--grad-acc", 3), 2, r"multiple of pp=2, got 3"),
     (("--pp", 2, "--tie-embeddings"), 2, r"--tie-embeddings with --pp > 1"),
-    (("--pp", 2, "--pp-schedule", "zb-h1", "--recompute", "full"), 2, r"zb-h1 .* full recomputation"),
     (("--tp", 3, "--pp", 2), 6, r"tp=3 does not divide num_attention_heads=4"),
     (("--tp", 4, "--pp", 2), 8, r"tp=4 does not divide num_key_value_heads=2"),
     (("--sp", "--pp", 2), 2, r"--sp .* needs --tp 2 or more"),
