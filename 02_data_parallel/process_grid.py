@@ -18,6 +18,7 @@ like DP ranks.
 Every group of every dimension is created on every rank, in the same order, as torch.distributed
 requires; a rank keeps the ones it belongs to in a frozen dataclass that is passed explicitly.
 """
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -139,3 +140,33 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return build_process_grid(dp, pp, cp, tp, ep)
+
+
+@contextlib.contextmanager
+def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+    """`with distributed(...) as grid:` init_distributed, and at the end destroy the process group this
+    call created: a process that exits with live gloo/NCCL threads can abort ("terminate called without
+    an active exception") and make a finished run look failed. A group created by the caller (the test
+    harness) is left to it."""
+    created = not dist.is_initialized()
+    grid = init_distributed(device_type, dp, pp, cp, tp, ep)
+    try:
+        yield grid
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+DEGREES = {"dp": "data-parallel degree: replicas that split the global batch",
+           "tp": "tensor-parallel degree: ranks that split every weight matrix",
+           "cp": "context-parallel degree: ranks that split each sequence",
+           "pp": "pipeline stages (ranks per pipeline)",
+           "ep": "expert-parallel degree: dp ranks that split the experts"}
+
+
+def add_degree_arguments(parser, *dims):
+    """--dp/--tp/--cp/--pp/--ep, the grid's degrees (every trainer takes the ones it implements)."""
+    group = parser.add_argument_group("process grid: arange(world).view(dp, pp, cp, tp)")
+    for dim in dims:
+        group.add_argument(f"--{dim}", type=int, default=1, help=DEGREES[dim])
+    return group

@@ -83,16 +83,35 @@ class PipelineStage(nn.Module):
             self.model.norm, self.lm_head, self.loss_fn = full.model.norm, full.lm_head, full.loss_fn
 
     def forward(self, x, labels=None):
-        """x: token ids (B, T) on the first chunk, else activations (B, T, C); returns (B, T, C) or the loss."""
+        """x: token ids (B, T) on the first chunk, else activations (B, T, C). Returns (the loss on the last
+        chunk, else the activations (B, T, C); the chunk's auxiliary losses: 07's MoE, else 0.0)."""
         if self.is_first:
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
         positions = self.position_ids if self.position_ids is not None else torch.arange(x.shape[1], device=x.device)
         cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
+        aux = 0.0
         for layer in self.model.layers.values():
-            x = layer(x, cos, sin)                                            # (B, T, C)
+            x, layer_aux = layer(x, cos, sin)                                 # (B, T, C), () or 0.0
+            aux = aux + layer_aux
         if self.is_last:
-            return self.loss_fn(self.model.norm(x), self.lm_head, labels)     # scalar
-        return x
+            return self.loss_fn(self.model.norm(x), self.lm_head, labels), aux   # scalar
+        return x, aux
+
+
+class AttachSideLoss(torch.autograd.Function):
+    """A loss a stage computes besides its activations (07's load-balancing loss) and never sends on:
+    forward passes x unchanged; backward passes x's gradient and gives the side loss the gradient
+    `scale` (1/m, as every micro-batch's loss), so it trains its stage as if added to the final loss
+    (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, side_loss, scale):
+        ctx.scale, ctx.dtype = scale, side_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.tensor(ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
 def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1) -> nn.ModuleList:

@@ -26,6 +26,7 @@ from importlib import import_module
 
 import torch
 
+pipeline = import_module("06_pipeline.pipeline")
 zero_bubble = import_module("06_pipeline.zero_bubble")
 
 
@@ -124,11 +125,14 @@ class Pipeline:
         x, labels = self.micro_batches[micro]                                 # (mbs, T) each
         if not stage.is_first:
             x = self.p2p.recv_forward(micro, chunk)                           # (mbs, T, C)
-        out = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
+        out, aux = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
         if stage.is_last:
-            out = out / self.m                                                # 01 averages over micro-batches
+            out = (out + aux) / self.m                                        # 01 averages over micro-batches
             self.loss += out.detach()
         else:
+            if torch.is_tensor(aux):   # a side loss (07's MoE): it trains through the backward of `out`
+                out = pipeline.AttachSideLoss.apply(out, aux, 1.0 / self.m)
+                self.loss += aux.detach() / self.m                            # this stage's share of the loss
             self.p2p.send_forward(out, micro, chunk)
         self.saved[micro, chunk] = (None if stage.is_first else x, out)
         self.peak_held = max(self.peak_held, self._held())

@@ -131,21 +131,21 @@ def apply_expert_parallel(model, grid):
     return model
 
 
-def make_finish_gradients(model, grid):
-    """The TrainPlan's finish_gradients: dense weights averaged over dp, expert weights summed over
-    expert_dp and divided by dp (the derivation in the module docstring; 08: cp_dp and cp·dp)."""
-    dense, experts = moe.split_parameters(model)
-    dense_group = grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group
-    replicas = grid.cp_size * grid.dp_size
-
-    def finish_gradients():
-        data_parallel.average_gradients(dense, dense_group)
-        if dist.get_world_size(grid.expert_dp_group) > 1:
-            for p in experts:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
+def sync_gradients(dense, experts, grid):
+    """After the last micro-batch: dense weights averaged over the dp ranks, expert weights summed over
+    expert_dp and divided by dp (the derivation in the module docstring; 08: over cp_dp, / cp·dp)."""
+    data_parallel.average_gradients(dense, grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group)
+    if dist.get_world_size(grid.expert_dp_group) > 1:
         for p in experts:
-            p.grad.div_(replicas)
-    return finish_gradients
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
+    for p in experts:
+        p.grad.div_(grid.cp_size * grid.dp_size)
+
+
+def make_finish_gradients(model, grid):
+    """sync_gradients on a model's (dense, expert) parameters, as a callable (08's plan)."""
+    dense, experts = moe.split_parameters(model)
+    return lambda: sync_gradients(dense, experts, grid)
 
 
 def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None, pp_group=None):

@@ -64,7 +64,6 @@ schedules = import_module("06_pipeline.schedules")
 pp_train = import_module("06_pipeline.train")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
-ep_train = import_module("07_expert_parallel.train")
 experts = import_module("08_5d_combined.experts")
 distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
 
@@ -113,11 +112,10 @@ def make_plan(args, grid, stages, pipe, norm_weights, zero1=None):
     reduce-scatter and norm in place of the averaging and the norm."""
     step = schedules.SCHEDULE_STEPS[args.pp_schedule]
     positions = stages[0].position_ids
-    aux = experts.StageAuxLoss(stages, args.aux_loss_coef, args.grad_acc) if args.num_experts else None
+    aux = args.num_experts > 0
 
     def forward_backward(model, micro_batches):            # this rank's T/cp tokens and their labels
-        loss = step(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp)
-        return loss + aux.take_logged() if aux else loss
+        return step(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp)
 
     sync = [lambda: sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)] if args.sp else []
     plan = tp_train.make_plan(args, grid, stages, forward_backward=forward_backward, before_averaging=sync)
@@ -132,7 +130,8 @@ def make_plan(args, grid, stages, pipe, norm_weights, zero1=None):
             clip_gradients=functools.partial(experts.clip_grad_norm_experts, grid=grid,
                                              expert_params=moe.split_parameters(view)[1]),
             global_loss=functools.partial(experts.sum_over_stages, device=base.device_of(args), grid=grid),
-            flops_per_token=ep_train.moe_flops_per_token(args), layout=layout)   # MFU: the k experts a token uses
+            flops_per_token=lambda config, seq_len: moe.flops_per_token(base.flops_per_token(config, seq_len), config,
+                                                                        args.num_experts, args.top_k), layout=layout)   # MFU: the k experts a token uses
     else:
         plan = dataclasses.replace(
             plan,

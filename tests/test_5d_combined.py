@@ -115,11 +115,9 @@ def _check(flag_sets, per_rank):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
         args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
         layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
-        if layout.num_experts:   # 07's single-device MoE (no process group: RANK is not set here)
-            moe_train = import_module("07_expert_parallel.train")
-            ref_args = moe_train.cli.parse_args(moe_train.build_parser("reference"), common.argv(
+        if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
+            records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
                 "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
-            records, model, _ = moe_train.run(ref_args)
             ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
             ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:

@@ -142,7 +142,7 @@ def measure(tp_grid, cp_grid, solo_grid):
         h = torch.randn(B, T // (2 if name == "sp" else 1), C, requires_grad=True)
         cos, sin = model.model.rotary(torch.arange(T), torch.float32)
         with comm.CommMeter(tp_grid.group_names()) as forward:
-            z = model.model.layers[0](h, cos, sin)
+            z, _ = model.model.layers[0](h, cos, sin)
         with comm.CommMeter(tp_grid.group_names()) as backward:
             z.sum().backward()
         out[name, "comm"] = [(dict(m.calls), dict(m.payload), m.total_wire()) for m in (forward, backward)]

@@ -97,7 +97,7 @@ def _twin_grads(out, dense_out, inputs, params, dense_params, rank, size):
     dense_out.backward(upstream)
     for x, dense_x in inputs:
         torch.testing.assert_close(x.grad, dense_x.grad, **EXACT)
-    for p, dense_p in zip(params, dense_params):
+    for p, dense_p in zip(params, dense_params, strict=True):
         torch.testing.assert_close(p.grad, shard_like(dense_p.grad, p.grad, rank, size), **EXACT)
 
 
@@ -142,7 +142,9 @@ def check_layers():
         dense_x = _leaf(x)
         params = [p for _, p in sorted(mod.named_parameters())]
         dense_params = [p for _, p in sorted(dense_mod.named_parameters())]
-        _twin_grads(mod(x, *args), dense_mod(dense_x, *args), [(x, dense_x)], params, dense_params, rank, size)
+        first = lambda out: out[0] if isinstance(out, tuple) else out   # noqa: E731  (a layer: (x, aux 0.0))
+        _twin_grads(first(mod(x, *args)), first(dense_mod(dense_x, *args)), [(x, dense_x)], params, dense_params,
+                    rank, size)
     labels = torch.randint(0, V, (B, T))
     labels[0, :3] = -100                                  # ignored positions are skipped by both
     hidden = _leaf(torch.randn(B, T, C))
@@ -176,7 +178,7 @@ def measure_communication():
     cos, sin = model.model.rotary(torch.arange(T), torch.float32)
     meters = {}
     with comm.CommMeter(grid.group_names()) as meters["layer_forward"]:
-        y = model.model.layers[0](x, cos, sin)
+        y, _ = model.model.layers[0](x, cos, sin)
     with comm.CommMeter(grid.group_names()) as meters["layer_backward"]:
         y.sum().backward()
     ids = torch.randint(0, 64, (B, T + 1))
