@@ -37,6 +37,8 @@ def average_gradients(params, group):
     Parameters without a gradient are skipped. Blocking: nothing overlaps with backward.
     """
     size = dist.get_world_size(group)
+    if size == 1:                           # nothing to average (e.g. 08 with cp = dp = 1)
+        return
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)   # (*p.shape) summed over ranks

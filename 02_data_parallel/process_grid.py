@@ -136,9 +136,11 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one, on a port no other run holds
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            dist.init_process_group(backend)
+        else:                        # plain `python train.py`: a world of one, on a port no other run holds
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return build_process_grid(dp, pp, cp, tp, ep)
 
 

@@ -106,7 +106,8 @@ class FlatUnit:
 
 
 class ZeRO:
-    """The TrainPlan pieces (forward_backward, finish_gradients, clip_gradients) of one stage."""
+    """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
+    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
     def __init__(self, modules, group, stage: int, exclude=(), divisor=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the

@@ -254,6 +254,7 @@ def clip_grad_norm_tp(params, max_norm, tp_group, pp_group=None):
     the group), the replicated norms are equal on every rank (counted once). With pipeline stages
     (08) each stage holds other layers, so the stage's ‖g‖² is summed over `pp_group` too. Returns ‖g‖.
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [p.grad for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_sharded", False)]

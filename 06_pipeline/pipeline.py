@@ -34,6 +34,15 @@ process_grid = import_module("02_data_parallel.process_grid")
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
 
+def add_arguments(parser):
+    """--pp-schedule --pp-chunks --timeline (the degree --pp is process_grid's); 08 takes them too."""
+    g = parser.add_argument_group("pipeline parallelism (06; --grad-acc is the number of micro-batches m)")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    g.add_argument("--pp-chunks", type=int, default=1, help="model chunks per rank (V, interleaved schedule)")
+    g.add_argument("--timeline", metavar="PATH.png", help="draw the last step's executed timeline (needs matplotlib)")
+    return g
+
+
 def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_acc: int, tie_embeddings: bool):
     """Every pipeline layout error, raised before any process group exists."""
     if pp < 1 or chunks < 1:
@@ -233,7 +242,8 @@ def clip_grad_norm_pp(params, max_norm: float, pp_group):
     Data-parallel replicas hold identical (averaged) gradients, so the pipeline group suffices.
     """
     grads = [p.grad for p in params if p.grad is not None]    # every stage holds at least one layer
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp64 stays fp64; bf16 sums in fp32
+    squares = torch.stack([g.detach().to(dtype).pow(2).sum() for g in grads]).sum()
     dist.all_reduce(squares, group=pp_group)                  # () summed over the p stages
     norm = squares.sqrt()
     if max_norm > 0:

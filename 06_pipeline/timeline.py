@@ -21,6 +21,8 @@ this file turns the events of all ranks of one pipeline into
 """
 from importlib import import_module
 
+import torch.distributed as dist
+
 Event = import_module("06_pipeline.schedules").Event
 
 
@@ -128,3 +130,25 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1):
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def report(args, grid, events):
+    """Gather the last step's events of this rank's pipeline (collective over pp); rank 0 prints the
+    bubble (measured, replayed, theory) and draws --timeline. Returns the pipeline's events."""
+    gathered = [None] * grid.pp_size
+    dist.all_gather_object(gathered, events, group=grid.pp_group)
+    events = [e for rank_events in gathered for e in rank_events]
+    if not events:                          # no step ran (a resume at the last step)
+        return events
+    p, m, V = grid.pp_size, args.grad_acc, args.pp_chunks
+    theory = theory_bubble(args.pp_schedule, p, m, V)
+    measured, replayed = measured_bubble(events), replayed_bubble(events, p, V)
+    if grid.rank == 0:
+        print(f"bubble ({args.pp_schedule}, p={p}, m={m}, V={V}): measured {measured:.1%} (wall clock), "
+              f"replayed {replayed:.1%} (ideal pass times), theory {theory:.1%}")
+        if args.timeline:
+            title = (f"{args.pp_schedule}: p={p}, m={m}" + (f", V={V}" if V > 1 else "") +
+                     f" | bubble: measured {measured:.0%}, replayed {replayed:.1%}, theory {theory:.1%}")
+            render_png(events, args.timeline, title, p, V)
+            print(f"timeline written to {args.timeline}")
+    return events

@@ -41,7 +41,7 @@ Errata: the cheat-sheet's "BP"/"ep: context parallelism" mean expert parallelism
 trains with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP, without TP (E3).
 
 API: check_expert_parallel(num_experts, ep, dp) before any process group; apply_expert_parallel
-(model, grid) after moe.apply_moe; make_finish_gradients and clip_grad_norm_ep for the TrainPlan.
+(model, grid) after moe.apply_moe; sync_gradients and clip_grad_norm_ep in the step.
 
     torchrun --nproc_per_node 4 07_expert_parallel/train.py --dp 4 --ep 2 --num-experts 4
 
@@ -140,12 +140,6 @@ def sync_gradients(dense, experts, grid):
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
     for p in experts:
         p.grad.div_(grid.cp_size * grid.dp_size)
-
-
-def make_finish_gradients(model, grid):
-    """sync_gradients on a model's (dense, expert) parameters, as a callable (08's plan)."""
-    dense, experts = moe.split_parameters(model)
-    return lambda: sync_gradients(dense, experts, grid)
 
 
 def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None, pp_group=None):

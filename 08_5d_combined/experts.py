@@ -2,7 +2,7 @@
 
 Playbook §2.7-2.8; Megatron-core's MoE (its `MoEAuxLossAutoScaler` is the idea of 06's `AttachSideLoss`).
 07 builds the MoE blocks (`moe.apply_moe`), shards the experts over the ep ranks carved out of dp
-(`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`make_finish_gradients`).
+(`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`sync_gradients`).
 What does not carry over to pipeline stages, tensor and context parallelism is done here:
 
   * the load-balancing loss α·Σ_layers aux: every layer returns its block's share and a stage chunk
@@ -20,7 +20,7 @@ What does not carry over to pipeline stages, tensor and context parallelism is d
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are not split: every tp rank holds the same input rows, runs the
 same experts and gets the same gradients, like the norm weights (Megatron's expert-TP = 1).
-Gradients under CP (07's `make_finish_gradients` with the cp·dp replicas): the loss is
+Gradients under CP (07's `sync_gradients` with the cp·dp replicas): the loss is
 L = (1/(cp·dp))·Σ_{c,d} L_{c,d}; an expert's owner already holds Σ over its ep group (one cp rank),
 and the cp ranks of one dp rank hold the same experts (`expert_dp` spans dp/ep and cp), so
 ∇L = (1/(cp·dp))·Σ_{expert_dp}: the dense rule (mean over cp·dp) with 07's sum-then-divide.
@@ -40,12 +40,6 @@ from torch import nn
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
-
-
-def add_arguments(parser):
-    """07's flags, with no experts by default."""
-    moe.add_arguments(parser, num_experts=0)
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel degree: dp ranks that split the experts")
 
 
 def check_experts(args):
@@ -79,7 +73,7 @@ def apply_experts(full, args, grid):
 
 def stage_view(stages):
     """A module whose `model.layers` lists this rank's layers and whose parameters are its stages', the
-    shape 07's `split_parameters` and `make_finish_gradients` read."""
+    shape 07's `split_parameters` reads."""
     view = nn.Module()
     view.stages, view.model = stages, nn.Module()
     view.model.layers = nn.ModuleList(layer for stage in stages for layer in stage.model.layers.values())

@@ -65,12 +65,14 @@ from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
 
-base = import_module("01_single_gpu.legacy_train")
-memory = base.memory
+cli = import_module("01_single_gpu.cli")
+data = import_module("01_single_gpu.data")
+memory = import_module("01_single_gpu.memory")
+process_grid = import_module("02_data_parallel.process_grid")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
-combined = import_module("08_5d_combined.train")
+layout_rules = import_module("08_5d_combined.layout")
 
 STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}   # weights, gradients, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4, "fp64": 8}
@@ -221,7 +223,7 @@ def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -
 
 
 def build_parser():
-    p = combined.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
+    p = layout_rules.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
     g = p.add_argument_group("planner")
     g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
     g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")
@@ -250,14 +252,14 @@ def world_size(n: int):
 
 def main(argv=None):
     parser = build_parser()
-    args = base.cli.parse_args(parser, argv)
+    args = cli.parse_args(parser, argv)
     layout = layout_of(args)
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
-        config = combined.tp_train.config_of(args)
+        config = cli.model_config(args, data.load_tokenizer(args.tokenizer).vocab_size)   # shapes only
         with world_size(world):
-            combined.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
-        combined.process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
+            layout_rules.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
+        process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
     except ValueError as error:
         parser.error(str(error))
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})

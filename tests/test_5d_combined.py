@@ -66,7 +66,9 @@ modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
 pipeline = import_module("06_pipeline.pipeline")
 timeline = import_module("06_pipeline.timeline")
+cli = import_module("01_single_gpu.cli")
 combined = import_module("08_5d_combined.train")
+layout_rules = import_module("08_5d_combined.layout")
 planner = import_module("08_5d_combined.planner")
 
 STEPS = 2
@@ -91,15 +93,13 @@ def _train(flag_sets):
     """On every rank: 08's run() per flag set; losses, norms, its parameters, its measured bytes."""
     results = []
     for extra, mbs, grad_acc, dtype, _ in flag_sets:
-        args = combined.base.cli.parse_args(combined.build_parser(),
-                                            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
-        config = combined.tp_train.config_of(args)
-        combined.check_layout(args, config)
-        if args.resume:   # from step 1 of the run before: its last checkpoint (step 2) is removed
+        if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
             if torch.distributed.get_rank() == 0:
-                shutil.rmtree(os.path.join(args.checkpoint_dir, f"step_{STEPS:06d}"))
+                checkpoint_dir = extra[extra.index("--checkpoint-dir") + 1]
+                shutil.rmtree(os.path.join(checkpoint_dir, f"step_{STEPS:06d}"))
             torch.distributed.barrier()
-        records, stages, pipe, everyone = combined.run(args, config)
+        records, stages, pipe, everyone = combined.main(
+            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
         mine = everyone[torch.distributed.get_rank()]
         sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
                 for dim, groups in GROUPS.items()}
@@ -113,8 +113,8 @@ def _train(flag_sets):
 def _check(flag_sets, per_rank):
     for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
-        args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
-        layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
+        args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
+        layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
         if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
             records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
                 "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
@@ -232,10 +232,10 @@ def test_llama3_sixteen_rank_groups():
 
 
 def _check_layout(*flags, world):
-    args = combined.base.cli.parse_args(combined.build_parser(), common.argv(*flags))
+    args = cli.parse_args(layout_rules.build_parser("test"), common.argv(*flags))
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        combined.check_layout(args, combined.tp_train.config_of(args))
+        layout_rules.check_layout(args, cli.model_config(args, 257))
     finally:
         del os.environ["WORLD_SIZE"]
 
@@ -269,8 +269,8 @@ def test_bad_layouts_fail_before_any_process_group(flags, world, message):
 def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
     """--init-from a dense checkpoint copies its MLPs into the experts, which TP would already have split."""
     hf_io = import_module("01_single_gpu.hf_io")
-    args = combined.base.cli.parse_args(combined.build_parser(), common.argv())
-    hf_io.save_hf(combined.base.build_model(args, combined.tp_train.config_of(args)), tmp_path)
+    args = cli.parse_args(layout_rules.build_parser("test"), common.argv())
+    hf_io.save_hf(import_module("01_single_gpu.build").build_model(args, cli.model_config(args, 257)), tmp_path)
     with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
         _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)
 

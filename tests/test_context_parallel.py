@@ -24,7 +24,7 @@ import common
 from harness import run_ranks
 from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, reference, shard_like, train_layouts
 
-base = import_module("01_single_gpu.legacy_train")   # until 05 is a leaf
+cli = import_module("01_single_gpu.cli")
 modeling = import_module("01_single_gpu.model")
 memory = import_module("01_single_gpu.memory")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -291,10 +291,10 @@ def test_four_rank_layouts_equal_single_device():
 
 
 def _check(*flags, world):
-    args = base.cli.parse_args(cp_train.build_parser("t"), common.argv(*flags))
+    args = cli.parse_args(cp_train.build_parser(), common.argv(*flags))
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        cp_train.check_layout(args, cp_train.tp_train.config_of(args))
+        cp_train.check_layout(args, cli.model_config(args, 257))       # the byte tokenizer's vocabulary
     finally:
         del os.environ["WORLD_SIZE"]
 

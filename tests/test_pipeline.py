@@ -34,10 +34,10 @@ def _runs(flag_sets):
     train = import_module("06_pipeline.train")
     results = []
     for extra, grad_acc, dtype in flag_sets:
-        args = train.parse(common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
-        records, stages, pipe, events, meter = train.run(args)
+        records, stages, pipe, events, meter = train.main(
+            common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
         results.append(dict(
-            losses=[r["loss"] for r in records], pp_rank=pipe.rank, peak_held=pipe.peak_held, events=events,
+            losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records], pp_rank=pipe.rank, peak_held=pipe.peak_held, events=events,
             sends=len(pipe.p2p.sent), isend_bytes=meter.total_wire("isend"),
             # numpy, not tensors: a tensor crosses the result queue by shared memory, which a finished
             # rank may have released before the parent reads it
@@ -51,14 +51,15 @@ def _check(flag_sets, per_rank, dp=1):
         p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
         layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
         ref_extra = ["--num-layers", layers] if layers else []
-        ref_losses, ref_state = common.single_device_run(*ref_extra, steps=STEPS, mbs=MBS * dp, grad_acc=m,
-                                                         dtype=dtype)
+        ref_losses, ref_norms, ref_state = common.single_device_reference(*ref_extra, steps=STEPS, mbs=MBS * dp,
+                                                                          grad_acc=m, dtype=dtype)
         tolerance = TOLERANCE[dtype]
         runs = [rank_results[i] for rank_results in per_rank]
         what = f"{schedule} p={p} V={V} m={m} dp={dp}"
         state = {}
         for run in runs:
             assert run["losses"] == pytest.approx(ref_losses, rel=tolerance["loss"]), what
+            assert run["norms"] == pytest.approx(ref_norms, rel=tolerance["loss"]), what
             for name, value in run["state"].items():
                 torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"], rtol=0,
                                            msg=f"{what}: {name}")
@@ -153,8 +154,8 @@ def test_schedule_formulas():
     assert schedules.interleaved_order(0, 4, 2, forward=False) == (0, 1)
 
 
-def test_bad_layouts_fail_before_any_process_group():
-    """Clear errors from the validation, raised by parse() before init_distributed."""
+def test_bad_layouts_fail_before_any_process_group(capsys):
+    """Clear errors from the validation, raised before init_distributed."""
     check = pipeline.check_pipeline
     with pytest.raises(ValueError, match=r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"):
         check(4, 3, 1, "1f1b", 8, False)
@@ -172,6 +173,8 @@ def test_bad_layouts_fail_before_any_process_group():
     train = import_module("06_pipeline.train")
     with pytest.raises(SystemExit):
         train.main(common.argv("--pp", "3"))
+    assert "does not divide num_layers=4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train.main(common.argv("--pp", "4"))         # world size 1 here
+    assert "does not equal the world size 1" in capsys.readouterr().err
     assert not dist.is_initialized()

@@ -32,9 +32,14 @@ if not torch.cuda.is_available():
 import common
 from harness import run_ranks
 
-combined = import_module("08_5d_combined.train")        # 08's trainer and the folders' modules it applies
-base, process_grid, comm = combined.base, combined.process_grid, combined.comm
-pipeline, schedules = combined.pipeline, combined.schedules
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+data = import_module("01_single_gpu.data")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+pipeline = import_module("06_pipeline.pipeline")
+schedules = import_module("06_pipeline.schedules")
+layout = import_module("08_5d_combined.layout")         # 08's flags, rules and order of transforms
 timeline = import_module("06_pipeline.timeline")
 
 M = 4                                       # micro-batches: rank 0 defers 0, rank 1 defers 1 W (ZB-H1)
@@ -44,8 +49,8 @@ GRADIENTS = dict(rtol=1e-12, atol=1e-15)
 def _pipeline(args, grid, stages):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, base.param_dtype(args), base.device_of(args))
-    return schedules.Pipeline(stages, p2p, schedules.pass_clock(base.device_of(args)),
+                       shape, build.param_dtype(args), build.device_of(args))
+    return schedules.Pipeline(stages, p2p, schedules.pass_clock(build.device_of(args)),
                               split_backward=args.pp_schedule == "zb-h1")
 
 
@@ -65,19 +70,16 @@ def _step_gradients(flag_sets):
     rank's gradients (by 01's names) and the communication its B and W passes issued (zb-h1)."""
     results = []
     for extra in flag_sets:
-        args = base.cli.parse_args(combined.build_parser(), common.argv(*extra, steps=1, mbs=2, grad_acc=M,
-                                                                        dtype="float64"))
-        config = combined.tp_train.config_of(args)
-        combined.check_layout(args, config)
+        args, config, dataset = cli.setup(layout.build_parser("test"), common.argv(
+            *extra, steps=1, mbs=2, grad_acc=M, dtype="float64"), layout.check_layout)
         grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
-        _, dataset = base.load_data(args)
-        stages, _ = combined.parallelize(base.build_model(args, config), args, grid)
+        stages, _ = layout.parallelize(build.build_model(args, config), args, grid, build.device_of(args))
         pipe = _pipeline(args, grid, stages)
         meters, calls = {op: comm.CommMeter(grid.group_names()) for op in ("B", "W")}, []
         if args.pp_schedule == "zb-h1":
             _metered(pipe, "backward_input", meters["B"], calls)
             _metered(pipe, "backward_weight", meters["W"], calls)
-        sampler = base.data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
+        sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
         micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
         schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
         results.append(dict(
