@@ -7,7 +7,7 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
 
     schedule      bubble                                   micro-batches held per stage
     afab          (p−1)/m                                  m        (all forwards, then all backwards)
-    1f1b          (p−1)/m          (same bubble, [PB] E16)  p − rank (warm-up, steady 1F1B, cool-down)
+    1f1b          (p−1)/m          (same bubble, erratum E16)  p − rank (warm-up, steady 1F1B, cool-down)
     interleaved   (p−1)/(V·m)      (chunks are V× shorter)  ≈ p per chunk; m must be a multiple of p
     zb-h1         (p−1)(t_F+t_B−t_W)/(m(t_F+t_B+t_W))        p  (ZB paper §3.1, "ZB-H1")
                   = (p−1)/(3m) for t_F = t_B = t_W

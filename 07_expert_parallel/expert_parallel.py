@@ -1,8 +1,8 @@
 """Expert parallelism: each rank keeps E/ep experts; tokens travel to their experts by all-to-all.
 
-Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all"), seed digest EP-2..EP-4;
+Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all");
 GShard (Lepikhin et al. 2020), DeepSpeed-MoE, Megatron-core's all-to-all token dispatcher. EP is
-carved out of data parallelism (02's process grid, "EP as a sub-case of DP", EP-4): the dp ranks
+carved out of data parallelism (02's process grid; [PB] §2.7 "EP as a sub-case of DP"): the dp ranks
 form dp/ep blocks of ep consecutive ranks (`ep_group`); rank r of a block owns experts
 [r·E/ep, (r+1)·E/ep) and reads its own slice of the batch, so attention and the router never run
 redundantly. In each MoE layer, after the router has sorted a rank's rows (token-choices) by expert:

@@ -1,6 +1,6 @@
 """Mixture of experts: the MLP of every decoder layer replaced by E SwiGLU experts and a router.
 
-Playbook §2.7 (EP-1 in the seed digest; Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
+Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
 al. 2021 §2.2; DeepSeek-V3 §2.1.2). For each token x (C,):
 
     p = softmax(x · Wgᵀ)                 (E,)   router probabilities (`mlp.gate`), in float32

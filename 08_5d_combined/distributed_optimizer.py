@@ -1,6 +1,6 @@
 """ZeRO-1 in the 5D trainer (`--zero-stage 1`): the optimizer states sharded over the data-parallel ranks.
 
-Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"; seed digest C-4, C-6), Megatron-LM's
+Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"), Megatron-LM's
 distributed optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters: its tp
 shards of its stage's layers. The N = cp·dp ranks that hold the same ones (`cp_dp_group`) split them as
 03 does: 03's flat units (the embedding, each decoder layer, the final norm, the head of the stage chunks

@@ -38,7 +38,7 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
           the dp/ep ranks that hold the same ones, and the logged loss is summed over the stages
       (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
   bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
-  overlap t_comm/t_compute (seed digest §4.2; ≤ 1 means the communication can hide behind compute),
+  overlap t_comm/t_compute (playbook App. 5.3; ≤ 1 means the communication can hide behind compute),
   peak in FLOP/s, bandwidth in bytes/s, so each ratio carries e:
       dp    e·(N−1)/(2·N·tokens)·peak/bw    tokens = b·s_r (the last micro-batch's backward: no_sync)
             E6: the playbook's num_params/(2·num_tokens)·… is dimensionally wrong; num_params cancels
@@ -194,7 +194,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
 
 
 def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: float, bw: dict) -> dict:
-    """t_comm/t_compute per dimension (seed digest §4.2, E6 and E9 as in the module docstring)."""
+    """t_comm/t_compute per dimension (playbook App. 5.3, errata E6 and E9 as in the module docstring)."""
     h, e = config.hidden_size, ACTIVATION_BYTES[layout.precision]
     h_kv = config.num_key_value_heads * config.head_dim
     n, tokens = layout.dp * layout.cp, mbs * seq_len // layout.cp

@@ -1,4 +1,4 @@
-"""08_5d_combined: whole 4D runs against 01, the planner against the seed's numbers and the code's.
+"""08_5d_combined: whole 4D runs against 01, the planner against the papers' numbers and the code's.
 
 Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
@@ -32,10 +32,10 @@ rounding order), and AdamW steps the same elements (a cp2 × dp2 run with grad-a
 amplified outlier too, 2.6e-5 on one v_proj weight of 512; in float64 it agrees to 1e-8). The norms
 (1.4, then 2.2) are above --grad-clip 1, so clipping by the ZeRO-1 norm is exercised.
 
-Layout: Llama 3's 16-rank grid (seed digest C-2) from 02's pure layout function and 06's pipelines;
+Layout: Llama 3's 16-rank grid (playbook §4.1) from 02's pure layout function and 06's pipelines;
 every bad layout stops with the earlier folders' messages before any process group exists.
 
-Planner: (a) the seed's anchors (seed digest §2.6: ZeRO's 7.5B example, the Korthikanti activations of
+Planner: (a) the published anchors (ZeRO's 7.5B example, the Korthikanti activations of
 GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
 each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
 CommMeter equal the planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
@@ -296,10 +296,10 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
 
 
 # ======================================================================================
-# The planner against the seed's numbers
+# The planner against the published numbers
 # ======================================================================================
 def test_planner_zero_paper_example():
-    """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (seed digest §2.6.4)."""
+    """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
     gb = [sum(planner.model_states(7.5e9, 64, stage)) / 1e9 for stage in range(4)]
     assert gb == pytest.approx([120.0, 31.41, 16.64, 1.875], abs=0.01)
     assert sum(planner.model_states(7.5e9, 64, 0, "fp32")) == 16 * 7.5e9     # 4 + 4 + 8: this project's fp32
@@ -314,8 +314,9 @@ def gpt3_layer_activations(tp=1, sp=False, recompute="none"):
 
 
 def test_planner_korthikanti_activations():
-    """Seed digest §2.6.5: sbh(34 + 5as/h) = 2.869 GB; with t = 8: TP 579 MB, TP+SP 359 MB, TP+SP+selective
-    34·sbh/t = 106.95 MB; full recomputation 2sbh = 50.3 MB."""
+    """Korthikanti et al. for GPT-3 (s 2048, b 1, h 12288, a 96): sbh(34 + 5as/h) = 2.869 GB; with t = 8:
+    TP 579 MB, TP+SP 359 MB, TP+SP+selective 34·sbh/t = 106.95 MB; full recomputation 2sbh = 50.3 MB (the
+    GPT-175B talk's "2.86 GB → 106 MB per layer")."""
     assert gpt3_layer_activations() / 1e9 == pytest.approx(2.869, abs=5e-4)
     assert gpt3_layer_activations(tp=8) / 1e6 == pytest.approx(579, abs=0.5)
     assert gpt3_layer_activations(tp=8, sp=True) / 1e6 == pytest.approx(359, abs=0.5)
@@ -324,7 +325,7 @@ def test_planner_korthikanti_activations():
 
 
 def test_planner_bubble_table_p8():
-    """Seed digest §2.6.9: (p−1)/(m·v) for p = 8, and the planner prints it."""
+    """Megatron-LM §2.2: the bubble (p−1)/(m·v) for p = 8, and the planner prints it."""
     table = {(1, 1): 7.0, (8, 1): 0.875, (8, 2): 0.4375, (16, 1): 0.4375, (32, 1): 0.219, (32, 2): 0.109,
              (32, 4): 0.0547, (64, 1): 0.109}
     for (m, v), bubble in table.items():

@@ -82,15 +82,19 @@ def check_models(tp_grid, cp_grid):
     loss.backward()
     sequence_parallel.all_reduce_norm_gradients(norms, tp_grid.tp_group)
     torch.testing.assert_close(loss, dense(x, labels=y), **EXACT)
-    for (name, p), want in zip(sp.named_parameters(), dense.parameters()):
+    for (name, p), want in zip(sp.named_parameters(), dense.parameters(), strict=True):
         torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size), **EXACT, msg=name)
     for kind in context_parallel.LAYOUTS:
         layout = context_parallel.CPLayout(kind, cp_grid.cp_size)
         cp = context_parallel.apply_context_parallel(copy.deepcopy(dense), layout, cp_grid.cp_group)
         cp.zero_grad()
         pos = layout.positions(cp_grid.cp_rank, T)
-        cp(x[:, pos], labels=y[:, pos], position_ids=pos).backward()
-        for (name, p), want in zip(cp.named_parameters(), dense.parameters()):
+        cp_loss = cp(x[:, pos], labels=y[:, pos], position_ids=pos)
+        cp_loss.backward()
+        total = cp_loss.detach().clone()     # every rank holds T/cp tokens, none ignored: the mean of the means
+        torch.distributed.all_reduce(total, group=cp_grid.cp_group)
+        torch.testing.assert_close(total / cp_grid.cp_size, dense(x, labels=y), **EXACT)
+        for (name, p), want in zip(cp.named_parameters(), dense.parameters(), strict=True):
             torch.distributed.all_reduce(p.grad, group=cp_grid.cp_group)   # mean over the cp ranks' tokens
             torch.testing.assert_close(p.grad / cp_grid.cp_size, want.grad, **EXACT, msg=name)
 

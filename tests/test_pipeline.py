@@ -142,7 +142,7 @@ def test_layer_partition_and_stage_modules():
 
 def test_schedule_formulas():
     """Theory bubbles and peaks, and the replay of ideal pass orders reproduces them."""
-    assert timeline.theory_bubble("afab", 4, 8) == timeline.theory_bubble("1f1b", 4, 8) == 3 / 8   # [PB] E16
+    assert timeline.theory_bubble("afab", 4, 8) == timeline.theory_bubble("1f1b", 4, 8) == 3 / 8   # erratum E16
     assert timeline.theory_bubble("interleaved", 4, 8, chunks=2) == 3 / 16
     assert timeline.theory_bubble("zb-h1", 4, 8) == 3 / 24
     assert [schedules.peak_held("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]
