@@ -77,13 +77,13 @@ class PipelineStage(nn.Module):
     pipeline and the final norm, lm head and loss on the last. Submodules are the 01 model's own
     (same objects, same initialisation) under the same names, keyed by global layer index."""
 
-    def __init__(self, full, layers: range, is_first: bool, is_last: bool):
+    def __init__(self, full, layers: range, is_first: bool, is_last: bool, position_ids=None):
         super().__init__()
         self.config = full.config
         self.is_first, self.is_last = is_first, is_last
         # (T,) positions of the tokens this rank holds, for RoPE; None: 0 … T−1 of its input. Context
-        # parallelism (08) sets its shard's; under sequence parallelism x holds only T/tp of them.
-        self.position_ids = None
+        # parallelism (08) gives its shard's; under sequence parallelism x holds only T/tp of them.
+        self.position_ids = position_ids
         self.model = nn.Module()
         if is_first:
             self.model.embed_tokens = full.model.embed_tokens
@@ -123,11 +123,12 @@ class AttachSideLoss(torch.autograd.Function):
         return grad, torch.tensor(ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
-def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1) -> nn.ModuleList:
-    """This rank's V chunks of the full (seeded) model; the other ranks' layers are dropped."""
+def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1, position_ids=None) -> nn.ModuleList:
+    """This rank's V chunks of the full (seeded) model; the other ranks' layers are dropped.
+    `position_ids` (T/cp,): the RoPE positions of this rank's tokens under context parallelism (08)."""
     blocks = layer_blocks(full.config.num_hidden_layers, pp_size, chunks, pp_rank)
     return nn.ModuleList(PipelineStage(full, layers, is_first=pp_rank == 0 and c == 0,
-                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1)
+                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1, position_ids=position_ids)
                          for c, layers in enumerate(blocks))
 
 

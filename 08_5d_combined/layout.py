@@ -59,10 +59,9 @@ def parallelize(full, args, grid, device):
     sequence_layout.parallelize(full, args, grid)                          # 2. TP (+ SP), 3. CP (05)
     if args.num_experts:                                                   # 3b. MoE, EP (07)
         experts.apply_experts(full, args, grid)
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)   # 4. PP
+    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(grid.cp_rank, args.seq_len,
+                                                                                 device)   # (T/cp,) its tokens
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
     recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
-    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(grid.cp_rank, args.seq_len)
-    for stage in stages:
-        stage.position_ids = positions.to(device)                          # (T/cp,) this rank's tokens
     norm_weights = [p for name, p in stages.named_parameters() if args.sp and name.endswith("norm.weight")]
     return stages.to(device), norm_weights

@@ -240,14 +240,21 @@ def test_ring_posts_each_step_send_and_receive_as_one_batch(measured):
 
 
 def tile_counts():
+    """Query·key scores each rank's ring attention computes, counted at every tile it really runs."""
     grid = process_grid.build_process_grid(cp=4)
-    counts = {}
+    counts, scores = {}, []
+    inner = context_parallel.tile_forward
+
+    def counted(q, k, v, causal):
+        scores.append(q.shape[2] * k.shape[2])
+        return inner(q, k, v, causal)
+    context_parallel.tile_forward = counted          # in this spawned rank only
     for kind in context_parallel.LAYOUTS:
-        layout = context_parallel.CPLayout(kind, 4)
-        attn = context_parallel.RingAttention(layout, grid.cp_group)
+        scores.clear()
+        attn = context_parallel.RingAttention(context_parallel.CPLayout(kind, 4), grid.cp_group)
         q = torch.randn(1, 2, 32 // 4, 4)
         attn(q, q[:, :1], q[:, :1])
-        counts[kind] = attn.scores_computed
+        counts[kind] = sum(scores)
     return counts
 
 
