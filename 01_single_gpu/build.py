@@ -1,8 +1,9 @@
 """What every trainer builds before its first step: the device, the data, the seeded model (plumbing).
 
-Every folder starts from the same model: 01's Llama seeded with --seed (or loaded from --init-from HF
-weights), in the parameters' dtype, with the --kernels/--attn pieces swapped in (kernels/patch.py), so
-that a parallel layout that slices it reproduces 01's numbers from the first step. Mixed precision
+Every folder starts from the same model: 01's Llama built on the meta device, with the --kernels/--attn
+pieces swapped in (kernels/patch.py); each folder slices it from outside and then materialises only what
+the rank keeps (materialize.py: each parameter seeded by (--seed, its name), or read from --init-from), so
+a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed precision
 (playbook §2.1): --dtype bfloat16 keeps fp32 master weights and runs the forward and backward under bf16
 autocast; float32 and float64 run everything in that type.
 """
@@ -12,7 +13,7 @@ from importlib import import_module
 import torch
 
 data = import_module("01_single_gpu.data")
-hf_io = import_module("01_single_gpu.hf_io")
+materialize_mod = import_module("01_single_gpu.materialize")
 modeling = import_module("01_single_gpu.model")
 
 
@@ -43,11 +44,21 @@ def load_data(args):
 
 
 def build_model(args, config):
-    """The full model, seeded identically in every folder (later folders slice it per rank)."""
-    torch.manual_seed(args.seed)
-    model = modeling.LlamaForCausalLM(config).to(param_dtype(args))
-    if args.init_from:
-        hf_io.load_hf_into(model, args.init_from)
+    """01's model on the meta device (shapes, no memory), with the --kernels/--attn pieces swapped in.
+    Later folders slice it from outside; `materialize` then gives the rank's parameters their values."""
+    with torch.device("meta"):
+        model = modeling.LlamaForCausalLM(config)
     if (args.kernels, args.attn) != ("torch", "sdpa"):
         import_module("kernels.patch").apply_kernels(model, args.kernels, args.attn)
     return model
+
+
+def source(model, args):
+    """Where the meta parameters of `model` get their values (materialize.py): --init-from or the seed."""
+    return materialize_mod.Source(model, materialize_mod.Initializer(args.seed, args.init_from),
+                                  param_dtype(args), device_of(args))
+
+
+def materialize(model, args, keep=None):
+    """This rank's parameters of the meta `model` (all, or those in `keep`), on its device; returns model."""
+    return materialize_mod.materialize(model, source(model, args), keep)

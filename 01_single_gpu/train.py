@@ -49,7 +49,7 @@ def train_step(model, optimizer, micro_batches, args):
 
 def run(args, config, dataset):
     """Train on one device; returns (per-step records, trained model)."""
-    model = build.build_model(args, config).to(build.device_of(args))
+    model = build.materialize(build.build_model(args, config), args)      # built on meta, then given values
     recompute.apply_recompute(model, args.recompute)
     optimizer = optim.make_optimizer(model.parameters(), args)
     activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

@@ -65,7 +65,7 @@ def check_layout(args, config):
 
 def run(args, config, dataset, grid):
     """Returns (records, model, the DataParallel object, the communication meter)."""
-    model = build.build_model(args, config).to(build.device_of(args))     # a full replica on every rank
+    model = build.materialize(build.build_model(args, config), args)      # a full replica on every rank
     recompute.apply_recompute(model, args.recompute)
     ddp = data_parallel.wrap(model, grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)

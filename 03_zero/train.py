@@ -65,9 +65,10 @@ def check_layout(args, config):
 
 def run(args, config, dataset, grid):
     """Returns (records, the ZeRO object, model, optimizer, meter)."""
-    model = build.build_model(args, config).to(build.device_of(args))
+    model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
-    zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage)
+    zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
+                         source=build.source(model, args))  # stage 3: only this rank's shard ever exists
     optimizer = optim.make_optimizer(zero.shards, args)
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in {len(zero.units)} "

@@ -43,6 +43,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
 optim = import_module("01_single_gpu.optim")
 comm = import_module("02_data_parallel.comm")
@@ -67,7 +68,7 @@ class FlatUnit:
     one not (each marked with `decays`, which 01's make_optimizer reads).
     """
 
-    def __init__(self, index, module, params, rank, size, stage):
+    def __init__(self, index, module, params, rank, size, stage, source=None):
         params = sorted(params, key=lambda p: not optim.decays(p))            # stable: decayed first
         self.index, self.module, self.params = index, module, params
         self.offsets = [0]
@@ -75,15 +76,16 @@ class FlatUnit:
             self.offsets.append(self.offsets[-1] + p.numel())
         self.padded = math.ceil(self.offsets[-1] / size) * size               # U
         self.lo, self.hi = rank * self.padded // size, (rank + 1) * self.padded // size
-        self.full = params[0].new_zeros(self.padded)                          # (U,)
-        with torch.no_grad():
-            for p, view in zip(params, self.views(self.full)):
-                view.copy_(p)
-                p.data = view                   # the module now computes with the flat buffer
-        if stage < 3:   # the shard is a view of the full buffer: the step updates the model in place
-            self.shard = self.full[self.lo:self.hi]                           # (U/N,)
-        else:           # the shard is all that persists; `full` is re-filled on demand
-            self.shard = self.full[self.lo:self.hi].clone()
+        if params[0].is_meta:       # 01's materialize.py: values from the source, this rank's range only
+            self._materialize(source, stage)
+        else:                       # real parameters (08's ZeRO-1): copied into the flat buffer
+            self.full = params[0].new_zeros(self.padded)                      # (U,)
+            with torch.no_grad():
+                for p, view in zip(params, self.views(self.full)):
+                    view.copy_(p)
+                    p.data = view               # the module now computes with the flat buffer
+            self.shard = self.full[self.lo:self.hi] if stage < 3 else self.full[self.lo:self.hi].clone()
+        if stage == 3:              # the shard is all that persists; `full` is re-filled on demand
             self.free()
         decay_end = self.offsets[sum(optim.decays(p) for p in params)]        # where the norm gains start
         self.pieces = []                                                      # views of the shard
@@ -93,12 +95,34 @@ class FlatUnit:
                 piece.decays, piece.start = decayed, a - self.lo
                 self.pieces.append(piece)
         self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
-        self.grad_full = params[0].new_zeros(self.padded) if stage == 1 else None   # (U,)
-        self.shard_grad = params[0].new_zeros(self.hi - self.lo) if stage > 1 else None  # (U/N,)
+        self.grad_full = self.shard.new_zeros(self.padded) if stage == 1 else None      # (U,)
+        self.shard_grad = self.shard.new_zeros(self.hi - self.lo) if stage > 1 else None  # (U/N,)
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
 
     def views(self, flat):
         return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+
+    @torch.no_grad()
+    def _materialize(self, source, stage):
+        """Stages 1-2 fill the whole flat buffer (every rank holds the parameters); stage 3 allocates only
+        its shard and, one parameter at a time, generates those that overlap it: a rank never holds more
+        than its shard and one full tensor. The meta parameters become views of `full`."""
+        self.full = torch.zeros(self.padded, dtype=source.dtype, device=source.device) if stage < 3 else \
+            torch.empty(self.padded, dtype=source.dtype, device=source.device)   # (U,), never touched at stage 3
+        self.shard = self.full[self.lo:self.hi] if stage < 3 else \
+            torch.zeros(self.hi - self.lo, dtype=source.dtype, device=source.device)      # (U/N,)
+        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            lo, hi = max(a, self.lo), min(b, self.hi)           # p's elements inside this rank's shard
+            if stage < 3:
+                self.full[a:b] = source.values(p).flatten()
+            elif lo < hi:
+                self.shard[lo - self.lo:hi - self.lo] = source.values(p).flatten()[lo - a:hi - a]
+        self.materialized = {}                                              # ZeRO swaps them in
+        for p, view in zip(self.params, self.views(self.full)):
+            new = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            new.data = view         # a view's data with a version counter of its own (as the real path's
+            self.materialized[id(p)] = new   # p.data = view): re-gathering `full` must not look like an edit
+        self.params = [self.materialized[id(p)] for p in self.params]
 
     def free(self):
         self.full.untyped_storage().resize_(0)       # the parameters keep their shapes, not their bytes
@@ -109,9 +133,10 @@ class ZeRO:
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
     finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
-    def __init__(self, modules, group, stage: int, exclude=(), divisor=None):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
-        gradient is the sum over `group` divided by it (default: the group's size, the mean)."""
+        gradient is the sum over `group` divided by it (default: the group's size, the mean); `source`:
+        where meta parameters get their values (01's materialize.Source; stage 3 never holds them all)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage = group, stage
@@ -127,7 +152,10 @@ class ZeRO:
                                  "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
             seen.update(params)
             if params:
-                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage))
+                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage, source))
+        materialized = {k: v for unit in self.units for k, v in getattr(unit, "materialized", {}).items()}
+        for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
+            materialize.swap_parameters(module, materialized)
         self.in_flight, self.events, self.callback_queued = [], [], False
         for unit in self.units:
             for p in unit.params:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+materialize = import_module("01_single_gpu.materialize")
 comm = import_module("02_data_parallel.comm")
 
 
@@ -145,9 +146,12 @@ TENSOR_PARALLEL = Regions(enter=copy_to_tp_region, exit=reduce_from_tp_region)
 # Parallel linear layers
 # ======================================================================================
 def shard_parameter(full, dim, tp_rank, tp_size):
-    """This rank's contiguous 1/tp of the full (identically seeded) weight, as a marked Parameter."""
-    shard = nn.Parameter(full.detach().chunk(tp_size, dim=dim)[tp_rank].clone())
+    """This rank's contiguous 1/tp of the full weight along `dim`, as a marked Parameter. On the meta device
+    (every trainer) only the shape is sliced: 01's materialize.py fills the rank's block, which `block` names."""
+    size = full.shape[dim] // tp_size
+    shard = nn.Parameter(full.detach().narrow(dim, tp_rank * size, size).clone())
     shard.tp_sharded = True   # counted once per shard by `clip_grad_norm_tp`
+    shard.block = materialize.Block(tuple(full.shape), dim, tp_rank * size, (tp_rank + 1) * size)
     return shard
 
 

@@ -66,8 +66,9 @@ def check_layout(args, config):
 
 def run(args, config, dataset, grid):
     """Returns (records, model) (each rank's model holds its shards)."""
-    model = build.build_model(args, config).to(build.device_of(args))
-    tensor_parallel.apply_tensor_parallel(model, grid)
+    model = build.build_model(args, config)                 # on meta: shapes only
+    tensor_parallel.apply_tensor_parallel(model, grid)      # sliced on shapes
+    build.materialize(model, args)                          # then this rank's shards get their values
     recompute.apply_recompute(model, args.recompute)
     ddp = data_parallel.wrap(model, grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)

@@ -43,14 +43,12 @@ def check_sequence_layout(args, config):
 
 
 def parallelize(model, args, grid):
-    """TP (+ SP), then CP, in place. Returns the norm weights SP keeps replicated, whose gradients must be
-    summed over tp (each tp rank's norms saw T/tp of the tokens)."""
-    norm_weights = []
+    """TP (+ SP), then CP, in place (on the meta model's shapes); returns the model."""
     if args.sp:
-        norm_weights = sequence_parallel.apply_sequence_parallel(model, grid)
+        sequence_parallel.apply_sequence_parallel(model, grid)
     elif grid.tp_size > 1:
         tensor_parallel.apply_tensor_parallel(model, grid)
     if grid.cp_size > 1:
         apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
         apply(model, context_parallel.CPLayout(args.cp_layout, grid.cp_size), grid.cp_group)
-    return norm_weights
+    return model

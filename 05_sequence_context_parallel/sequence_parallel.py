@@ -90,8 +90,12 @@ def check_sequence_parallel(tp: int, local_seq_len: int):
 
 
 def apply_sequence_parallel(model, grid):
-    """Tensor parallelism with SP's regions; returns the norm weights whose gradients need syncing."""
-    tensor_parallel.apply_tensor_parallel(model, grid, regions=SEQUENCE_PARALLEL)
+    """Tensor parallelism with SP's regions, in place; returns the model."""
+    return tensor_parallel.apply_tensor_parallel(model, grid, regions=SEQUENCE_PARALLEL)
+
+
+def norm_weights(model):
+    """The RMSNorm gains, replicated on every tp rank: under SP each saw T/tp of the tokens."""
     return [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
 
 

@@ -79,8 +79,10 @@ def check_layout(args, config):
 
 def run(args, config, dataset, grid):
     """Returns (records, model) (each rank's model holds its tp shards)."""
-    model = build.build_model(args, config).to(build.device_of(args))
-    norm_weights = layout_mod.parallelize(model, args, grid)        # TP (+ SP), then CP
+    model = build.build_model(args, config)                         # on meta: shapes only
+    layout_mod.parallelize(model, args, grid)                       # TP (+ SP), then CP, on shapes
+    build.materialize(model, args)                                  # then this rank's shards get their values
+    norm_weights = sequence_parallel.norm_weights(model) if args.sp else []
     recompute.apply_recompute(model, args.recompute)
     ddp = data_parallel.wrap(model, grid.cp_dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)

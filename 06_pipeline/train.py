@@ -67,10 +67,11 @@ def check_layout(args, config):
 def run(args, config, dataset, grid):
     """Returns (records, stages, pipe, the last step's events of this pipeline, the communication meter)."""
     device = build.device_of(args)
-    full = build.build_model(args, config)                  # every rank: the same seeded full model
+    full = build.build_model(args, config)                  # on meta: shapes only
     recompute.apply_recompute(full, args.recompute)
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks).to(device)
-    del full                                                # the other stages' layers are freed
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)
+    build.materialize(full, args, keep=stages.parameters())  # only this rank's stages get values
+    del full                                                # the other stages' layers never existed
     optimizer = optim.make_optimizer(stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+materialize = import_module("01_single_gpu.materialize")
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
 
 
@@ -162,29 +163,31 @@ def split_parameters(model):
 def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: int, upcycle: bool = False):
     """Replace every layers[i].mlp of a LlamaForCausalLM by an MoE block, in place; returns the blocks.
 
-    Weights are drawn from a generator seeded with `seed` (normal(0, initializer_range), as the 01
-    model), in a fixed order, on every rank alike: one rank and many build the same E experts, and
-    expert parallelism then keeps a slice. `upcycle=True` (sparse upcycling, Komatsuzaki et al.
-    2022) copies the layer's trained MLP into every expert instead, so the block starts as exactly
-    that MLP for k ≥ 2 (the k weights sum to 1; for k = 1 it starts as p_e times that MLP, Switch's
-    weighting); used with --init-from a dense checkpoint.
+    On a meta model (every trainer) the blocks are shapes only: 01's materialize.py gives each expert and
+    router weight its values by name (`model.layers.{l}.mlp.experts.{e}.…`), seeded by (seed, name), so one
+    rank and many hold the same experts and expert parallelism materialises only its slice; with --init-from
+    a dense checkpoint every expert starts as the layer's MLP (sparse upcycling, Komatsuzaki et al. 2022:
+    exactly that MLP for k ≥ 2, whose weights sum to 1; p_e times it for k = 1, Switch's weighting). On a real
+    model (the layer tests) the same values are drawn here, `upcycle=True` copying the dense MLP instead.
     The experts inherit the MLP's act_fn (--kernels triton).
     """
     check_moe(num_experts, top_k, aux_loss_coef)
     config = model.config
-    generator = torch.Generator().manual_seed(seed)
-    for layer in model.model.layers:
+    initializer = materialize.Initializer(seed, std=config.initializer_range)
+    for index, layer in enumerate(model.model.layers):
         dense = layer.mlp
         weight = dense.gate_proj.weight
-        with torch.device("meta"):                   # allocate without touching the global RNG
+        with torch.device("meta"):
             block = MoE(config, num_experts, top_k, aux_loss_coef)
-        block = block.to_empty(device=weight.device).to(weight.dtype)
-        for name, p in block.named_parameters():
-            if upcycle and name.startswith("experts."):
-                p.copy_(dense.get_parameter(name.split(".", 2)[2]))
-            else:
-                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, config.initializer_range,
-                                                                     generator=generator))
+        if not weight.is_meta:
+            block = block.to_empty(device=weight.device).to(weight.dtype)
+            with torch.no_grad():
+                for name, p in block.named_parameters():
+                    if upcycle and name.startswith("experts."):
+                        p.copy_(dense.get_parameter(name.split(".", 2)[2]))
+                    else:
+                        p.copy_(initializer.values(f"model.layers.{index}.mlp.{name}", materialize.block_of(p),
+                                                   p.dtype))
         block.act_fn = dense.act_fn
         layer.mlp = block
     return moe_blocks(model)

@@ -77,11 +77,11 @@ def expert_memory(args, config, model, ep):
 
 def run(args, config, dataset, grid):
     """Returns (records, model, meter). Plain `python`: one device (a world of one)."""
-    model = build.build_model(args, config)
-    moe.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed, upcycle=bool(args.init_from))
+    model = build.build_model(args, config)                 # on meta: shapes only
+    moe.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed)
     if grid.ep_size > 1:
-        expert_parallel.apply_expert_parallel(model, grid)
-    model.to(build.device_of(args))
+        expert_parallel.apply_expert_parallel(model, grid)  # this rank keeps E/ep experts (still shapes)
+    build.materialize(model, args)                          # then they, and the dense weights, get values
     recompute.apply_recompute(model, args.recompute)
     dense, experts = moe.split_parameters(model)
     optimizer = optim.make_optimizer(model.parameters(), args)

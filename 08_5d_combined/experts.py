@@ -62,8 +62,7 @@ def check_experts(args):
 def apply_experts(full, args, grid):
     """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; under CP, the
     load-balancing statistics summed over the cp group; returns the blocks."""
-    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,
-                           upcycle=bool(args.init_from))   # its loss hook is on `full`, which stages never call
+    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed)   # on shapes
     if grid.ep_size > 1:
         expert_parallel.apply_expert_parallel(full, grid)
     for block in blocks:

@@ -55,7 +55,7 @@ def check_degrees(args, config):
 
 
 def parallelize(full, args, grid, device):
-    """Steps 2-5 on the full model; returns (this rank's stage chunks, the norm weights SP must sum)."""
+    """Steps 2-5 on the full (meta) model's shapes; returns this rank's stage chunks."""
     sequence_layout.parallelize(full, args, grid)                          # 2. TP (+ SP), 3. CP (05)
     if args.num_experts:                                                   # 3b. MoE, EP (07)
         experts.apply_experts(full, args, grid)
@@ -63,5 +63,4 @@ def parallelize(full, args, grid, device):
                                                                                  device)   # (T/cp,) its tokens
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
     recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
-    norm_weights = [p for name, p in stages.named_parameters() if args.sp and name.endswith("norm.weight")]
-    return stages.to(device), norm_weights
+    return stages

@@ -122,9 +122,11 @@ def print_grid(args, grid, config):
 def run(args, config, dataset, grid):
     """Returns (records, stages, pipe, everyone's measured states and communication)."""
     device = build.device_of(args)
-    full = build.build_model(args, config)                 # 1. every rank: the same seeded model, kernels applied
-    stages, norm_weights = layout.parallelize(full, args, grid, device)   # 2-5. TP/SP, CP, MoE/EP, PP, recompute
-    del full                                               # the other stages' layers are freed
+    full = build.build_model(args, config)                 # 1. on meta, kernels applied: shapes only
+    stages = layout.parallelize(full, args, grid, device)  # 2-5. TP/SP, CP, MoE/EP, PP, recompute (shapes)
+    build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
+    del full                                               # the other stages' layers never existed
+    norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     zero1 = distributed_optimizer.DistributedOptimizer(stages, grid, experts.stage_view(stages) if args.num_experts
                                                        else None) if args.zero_stage == 1 else None   # 6. ZeRO-1
     optimizer = optim.make_optimizer(zero1.shards if zero1 else stages.parameters(), args)

@@ -270,7 +270,8 @@ def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
     """--init-from a dense checkpoint copies its MLPs into the experts, which TP would already have split."""
     hf_io = import_module("01_single_gpu.hf_io")
     args = cli.parse_args(layout_rules.build_parser("test"), common.argv())
-    hf_io.save_hf(import_module("01_single_gpu.build").build_model(args, cli.model_config(args, 257)), tmp_path)
+    build = import_module("01_single_gpu.build")
+    hf_io.save_hf(build.materialize(build.build_model(args, cli.model_config(args, 257)), args), tmp_path)
     with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
         _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)
 

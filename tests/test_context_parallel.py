@@ -77,7 +77,7 @@ def check_models(tp_grid, cp_grid):
     x, y = ids[:, :-1], ids[:, 1:]
     dense(x, labels=y).backward()
     sp = copy.deepcopy(dense)
-    norms = sequence_parallel.apply_sequence_parallel(sp, tp_grid)
+    norms = sequence_parallel.norm_weights(sequence_parallel.apply_sequence_parallel(sp, tp_grid))
     loss = sp(x, labels=y)
     loss.backward()
     sequence_parallel.all_reduce_norm_gradients(norms, tp_grid.tp_group)

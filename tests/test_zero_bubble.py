@@ -73,7 +73,9 @@ def _step_gradients(flag_sets):
         args, config, dataset = cli.setup(layout.build_parser("test"), common.argv(
             *extra, steps=1, mbs=2, grad_acc=M, dtype="float64"), layout.check_layout)
         grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
-        stages, _ = layout.parallelize(build.build_model(args, config), args, grid, build.device_of(args))
+        full = build.build_model(args, config)
+        stages = layout.parallelize(full, args, grid, build.device_of(args))
+        build.materialize(full, args, keep=stages.parameters())
         pipe = _pipeline(args, grid, stages)
         meters, calls = {op: comm.CommMeter(grid.group_names()) for op in ("B", "W")}, []
         if args.pp_schedule == "zb-h1":

@@ -1,0 +1,137 @@
+"""Shard before you materialise: every layout holds 01's values, and a sharded rank never holds the model.
+
+In-process (float32, exact): a meta model sliced by TP (any rank of tp 4), by EP (07's experts) or read
+from an HF directory holds, once materialised, exactly the slices of 01's materialised model: a value
+depends only on (seed, name) or on the file, never on the layout (materialize.py).
+
+Measured (RSS, one step of a ~227M-parameter Llama: 24 layers of 768, 12 heads, FFN 3072): each rank's
+peak RSS grows, while it builds and trains, by less than half of what one full fp32 replica and its AdamW
+states need (12 bytes per parameter: 4 + 8, so the bound is 6Ψ), for ZeRO-3 over dp 4 and for tp 4; 01 on
+the same model grows by more. And while building, a rank holds its own parameters plus about one full
+tensor (slack 16 MB). The growth is counted from the start of the trainer's `run` (tests/peak_memory.py),
+after Python, torch, the data and the process group exist. glibc raises its mmap threshold after big
+frees and then keeps freed tensors in its heap, which RSS would count; MALLOC_MMAP_THRESHOLD_ fixes the
+threshold at 1 MiB so that freed tensors go back to the system and RSS shows what the run holds.
+"""
+import json
+import os
+import subprocess
+import sys
+from importlib import import_module
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+
+ROOT = Path(__file__).resolve().parents[1]
+modeling = import_module("01_single_gpu.model")
+materialize = import_module("01_single_gpu.materialize")
+hf_io = import_module("01_single_gpu.hf_io")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+moe = import_module("07_expert_parallel.moe")
+CONFIG = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4)
+
+
+def materialised(model, init_from=None, seed=7):
+    return materialize.materialize(model, materialize.Source(model, materialize.Initializer(seed, init_from),
+                                                             torch.float32, "cpu"))
+
+
+def meta_model():
+    with torch.device("meta"):
+        return modeling.LlamaForCausalLM(CONFIG)
+
+
+def check_slices(local, full):
+    """Every parameter of `local` (a sliced model) equals its block of the same-named one of `full`."""
+    reference = dict(full.named_parameters())
+    for name, p in local.named_parameters():
+        block = materialize.block_of(p)
+        assert not p.is_meta and block.shape == tuple(reference[name].shape), name
+        expected = reference[name].narrow(block.dim, block.start, block.stop - block.start)
+        assert torch.equal(p.detach(), expected), name
+
+
+@pytest.mark.parametrize("init_from", [False, True], ids=["seeded", "init-from"])
+def test_tensor_parallel_ranks_materialise_slices_of_01(tmp_path, init_from):
+    directory = None
+    if init_from:
+        source_model = modeling.LlamaForCausalLM(CONFIG)                # any weights: the file decides
+        hf_io.save_hf(source_model, tmp_path)
+        directory = tmp_path
+    full = materialised(meta_model(), directory)
+    if init_from:
+        for name, p in full.named_parameters():
+            assert torch.equal(p, source_model.get_parameter(name)), name
+    for rank in range(4):
+        model = meta_model()
+        tensor_parallel.apply_tensor_parallel(model, SimpleNamespace(tp_rank=rank, tp_size=4, tp_group=None))
+        check_slices(materialised(model, directory), full)
+
+
+def test_experts_materialise_by_name():
+    """07's experts on a meta model equal those apply_moe draws on a real one; keeping a slice (EP) keeps
+    the same values for the kept experts; upcycling from a dense checkpoint copies its MLP."""
+    real = materialised(meta_model())
+    moe.apply_moe(real, 4, 2, 0.01, seed=7)
+    meta = meta_model()
+    moe.apply_moe(meta, 4, 2, 0.01, seed=7)
+    for block in moe.moe_blocks(meta):                                   # keep experts 2 and 3 (ep rank 1)
+        block.experts = torch.nn.ModuleDict({e: block.experts[e] for e in ("2", "3")})
+    check_slices(materialised(meta), real)
+
+
+def test_upcycling_reads_the_dense_mlp(tmp_path):
+    dense = modeling.LlamaForCausalLM(CONFIG)
+    hf_io.save_hf(dense, tmp_path)
+    model = meta_model()
+    moe.apply_moe(model, 4, 2, 0.01, seed=7)
+    materialised(model, tmp_path)
+    for layer, dense_layer in zip(model.model.layers, dense.model.layers, strict=True):
+        for expert in layer.mlp.experts.values():
+            for name, p in expert.named_parameters():
+                assert torch.equal(p, dense_layer.mlp.get_parameter(name)), name
+
+
+BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 24, "--num-heads", 12, "--num-kv-heads",
+       12, "--seq-len", 8, "--mbs", 1, "--steps", 1, "--warmup-steps", 1, "--no-progress"]
+
+
+def peak_memory(tmp_path, module, ranks, *flags):
+    """Each rank's {"growth", "built", "parameters"} (bytes) for one step of the big model."""
+    text = tmp_path / "fox.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    out = tmp_path / module
+    out.mkdir()
+    env.update(MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS="1", PEAK_MEMORY_DIR=str(out))
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+                                 if ranks > 1 else [])
+    command = launch + ["tests/peak_memory.py", module, *map(str, BIG + list(flags)), "--dataset", str(text)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    assert len(results) == ranks
+    return results
+
+
+@pytest.mark.timeout(900)
+def test_sharded_ranks_hold_a_fraction_of_the_model(tmp_path):
+    psi = 24 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768) + 2 * 320 * 768 + 768         # parameters
+    bound = 6 * psi                                  # half of an fp32 replica (4Ψ) and its AdamW states (8Ψ)
+    largest = 3072 * 768 * 4                         # bytes of the biggest full tensor (gate/up/down)
+    for what, runs in (("zero-3 dp 4", peak_memory(tmp_path, "03_zero.train", 4, "--dp", 4, "--zero-stage", 3)),
+                       ("tp 4", peak_memory(tmp_path, "04_tensor_parallel.train", 4, "--tp", 4,
+                                            "--dp-mode", "naive"))):
+        for run in runs:
+            assert run["growth"] < bound, (what, run, bound)
+            assert psi <= run["parameters"] < 1.02 * psi, (what, run)   # Ψ/4 × 4 bytes, + norms and padding
+            # ZeRO-3 also allocates its gradient shard (as large as its parameter shard) when it builds
+            held = run["parameters"] * (2 if what.startswith("zero") else 1)
+            assert run["built"] < held + largest + 16 * 2**20, (what, run)
+    single, = peak_memory(tmp_path, "01_single_gpu.train", 1)
+    assert single["parameters"] == 4 * psi and single["growth"] > bound, single
