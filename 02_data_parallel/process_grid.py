@@ -21,9 +21,13 @@ requires; a rank keeps the ones it belongs to in a frozen dataclass that is pass
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from importlib import import_module
 
 import torch
 import torch.distributed as dist
+
+watchdog = import_module("01_single_gpu.watchdog")
 
 
 def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
@@ -124,18 +128,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
+def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+                     timeout_s: float = watchdog.DEFAULT_TIMEOUT_S) -> ProcessGrid:
     """Join the job `torchrun` (or the test harness) started and build the grid.
 
     The degrees are checked against WORLD_SIZE before any process group exists, so a bad layout
     fails at once with a message instead of hanging in a collective. Gloo on the CPU, NCCL on GPUs:
-    the one place where device and backend are chosen.
+    the one place where device and backend are chosen. A collective that waits `timeout_s` (--timeout-s)
+    for a peer fails instead of hanging, and a worker of torchrun ends with its agent (watchdog.py).
     """
     grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp, pp, cp, tp, ep)
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # started by torchrun's agent: never train on as an orphan
+        watchdog.exit_with_parent()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python train.py`: a world of one, on a port no other run holds
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return build_process_grid(dp, pp, cp, tp, ep)
