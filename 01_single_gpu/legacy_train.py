@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 import contextlib
 import os
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,11 @@ cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
 hf_io = import_module("01_single_gpu.hf_io")
 checkpoint = import_module("01_single_gpu.checkpoint")
+loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
+metrics = import_module("01_single_gpu.metrics")
+optim = import_module("01_single_gpu.optim")
+watchdog = import_module("01_single_gpu.watchdog")
 recompute = import_module("01_single_gpu.recompute")
 modeling = import_module("01_single_gpu.model")
 
@@ -138,9 +141,8 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, plan.dp_size)
     start = 0
-    if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
-        checkpoint.check_resume(args, args.checkpoint_dir, sampler.global_batch)
-        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, plan.layout)
+    if args.resume:   # the checkpoint cli.parse_args chose and checked: the same run, the same layout
+        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, plan.layout, args.resume_step)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bfloat16"
                 else contextlib.nullcontext())
@@ -148,51 +150,69 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     flops = plan.flops_per_token(config, args.seq_len) * tokens_per_step
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
-    log = open(args.json_log, "a" if args.resume else "w") if (args.json_log and plan.is_logging_rank) else None
+    log = metrics.open_json_log(args.json_log, start, args.resume) if (args.json_log and plan.is_logging_rank) else None
     bar = tqdm(total=args.steps, initial=start, disable=not plan.is_logging_rank or args.no_progress,
                desc="train", dynamic_ncols=True)
+    guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None
+    several = plan.world_size > 1 and torch.distributed.is_initialized()
+    dog = watchdog.Watchdog(args.timeout_s, torch.distributed.get_rank()) if several else None
     records = []
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, plan.dp_rank))
-                         for m in range(args.grad_acc)]
-        # The first step of the run follows what autograd saves for backward: its peak is the
-        # measured activation memory (the setup table shows Korthikanti's estimate).
-        activation_meter = memory.saved_activation_bytes(exclude=params) if step == start else None
-        with autocast, activation_meter or contextlib.nullcontext():
-            loss = plan.forward_backward(model, micro_batches)
-        plan.finish_gradients()
-        grad_norm = plan.clip_gradients(params, args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss = plan.global_loss(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)   # honest step times on an asynchronous device
-        dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss, "lr": lr_at(step, args), "grad_norm": float(grad_norm),
-                  "tokens_per_s": tokens_per_step / dt,
-                  "mfu": flops / dt / (peak * 1e12 * plan.world_size) if peak else None}
-        records.append(record)
-        if log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        if plan.is_logging_rank and (step + 1) % args.log_every == 0:
-            mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device.type == "cuda" else "-"
-            mfu = f"{record['mfu']:.1%}" if peak else "n/a"
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, mem=mem)
-            if args.no_progress:
-                print(f"step {step + 1:>5} | loss {loss:.4f} | lr {record['lr']:.2e} | "
-                      f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | mem {mem}", flush=True)
-        if activation_meter and plan.is_logging_rank:
-            bar.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
-                      f"{activation_meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
-        bar.update(1)
-        if args.checkpoint_dir and (step + 1 == args.steps or
-                                    (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-            checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                       {**plan.layout, "global_batch": sampler.global_batch, "args": vars(args)})
+    with dog or contextlib.nullcontext():
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, args)
+            micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, plan.dp_rank))
+                             for m in range(args.grad_acc)]
+            # The first step of the run follows what autograd saves for backward: its peak is the
+            # measured activation memory (the setup table shows Korthikanti's estimate).
+            activation_meter = memory.saved_activation_bytes(exclude=params) if step == start else None
+            with autocast, activation_meter or contextlib.nullcontext():
+                loss = plan.forward_backward(model, micro_batches)
+            plan.finish_gradients()
+            grad_norm = plan.clip_gradients(params, args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = plan.global_loss(loss)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)   # honest step times on an asynchronous device
+            dt = time.perf_counter() - t0
+            record = {"step": step + 1, "loss": loss, "lr": lr_at(step, args), "grad_norm": float(grad_norm),
+                      "tokens_per_s": tokens_per_step / dt,
+                      "mfu": flops / dt / (peak * 1e12 * plan.world_size) if peak else None}
+            skipped = guard is not None and guard.skipped
+            if skipped:
+                record["skipped"] = True
+            records.append(record)
+            if log:
+                log.write(metrics.json_line(record))
+                log.flush()
+            if not (skipped or loop.finite(loss, grad_norm)):
+                bar.close()
+                loop.stop_nonfinite(step, loss, grad_norm, guard is not None)
+            if plan.is_logging_rank and (step + 1) % args.log_every == 0:
+                mem = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}GiB" if device.type == "cuda" else "-"
+                mfu = f"{record['mfu']:.1%}" if peak else "n/a"
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, mem=mem)
+                if args.no_progress:
+                    print(f"step {step + 1:>5} | loss {loss:.4f} | lr {record['lr']:.2e} | "
+                          f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | mem {mem}", flush=True)
+            if plan.is_logging_rank and skipped:
+                bar.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
+                          f"(--on-nonfinite skip: parameters and optimizer state unchanged)")
+            if activation_meter and plan.is_logging_rank:
+                bar.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                          f"{activation_meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+            bar.update(1)
+            if args.checkpoint_dir and (step + 1 == args.steps or
+                                        (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
+                                           {"layout": plan.layout, "global_batch": sampler.global_batch,
+                                            "args": vars(args)}, args.keep_last, args.overwrite)
+            if dog:
+                dog.beat(f"step {step + 1} ended")
+    if guard:
+        guard.remove()
     bar.close()
     if log:
         log.close()

@@ -91,14 +91,14 @@ def _train(flag_sets):
     """On every rank: 08's run() per flag set; losses, norms, its parameters, its measured bytes."""
     results = []
     for extra, mbs, grad_acc, dtype, _ in flag_sets:
+        if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
+            if torch.distributed.get_rank() == 0:   # before parsing, which picks the checkpoint to resume
+                shutil.rmtree(os.path.join(extra[extra.index("--checkpoint-dir") + 1], f"step_{STEPS:06d}"))
+            torch.distributed.barrier()
         args = combined.base.cli.parse_args(combined.build_parser(),
                                             common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
         config = combined.tp_train.config_of(args)
         combined.check_layout(args, config)
-        if args.resume:   # from step 1 of the run before: its last checkpoint (step 2) is removed
-            if torch.distributed.get_rank() == 0:
-                shutil.rmtree(os.path.join(args.checkpoint_dir, f"step_{STEPS:06d}"))
-            torch.distributed.barrier()
         records, stages, pipe, everyone = combined.run(args, config)
         mine = everyone[torch.distributed.get_rank()]
         sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
@@ -113,7 +113,8 @@ def _train(flag_sets):
 def _check(flag_sets, per_rank):
     for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
-        args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
+        args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
+                                            files=False)   # the planner's view: the checkpoints are not read
         layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
         if layout.num_experts:   # 07's single-device MoE (no process group: RANK is not set here)
             moe_train = import_module("07_expert_parallel.train")
