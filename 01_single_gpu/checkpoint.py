@@ -164,7 +164,8 @@ def verify(folder: Path):
         if not path.is_file():
             return f"{name} is missing", manifest
         if path.stat().st_size != entry["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {entry['bytes']}: a torn copy", manifest
+            size = path.stat().st_size
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']}: a torn copy", manifest
         if sha256_of(path) != entry["sha256"]:
             return f"{name} fails its sha256 check: the file is corrupt", manifest
     return None, manifest

@@ -58,7 +58,8 @@ class HFTokenizer:
             self.tok = AutoTokenizer.from_pretrained(name_or_dir)
         except Exception as error:   # OSError, ValueError, JSON and tokenizers errors alike: a file is broken
             raise ValueError(f"--tokenizer {name_or_dir} could not be loaded ({type(error).__name__}: "
-                             f"{sources.first_line(error)}): pass a folder saved with save_pretrained, or 'bytes'") from None
+                             f"{sources.first_line(error)}): pass a folder saved with save_pretrained, "
+                             f"or 'bytes'") from None
         self.name = name_or_dir
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
@@ -122,10 +123,11 @@ def _records(source, kind, files, text_column, scratch):
         else:
             ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
                                        cache_dir=str(scratch))
-    except Exception as error:   # a record sources.check_source did not peek at (or the hub) is broken: name the source
+    except Exception as error:   # a record check_source did not peek at, or the hub, is broken: name the source
         cause = error.__cause__ or error
         raise ValueError(f"{source} could not be read as {sources.KIND_NAMES.get(kind, 'a hub dataset')} "
-                         f"({type(cause).__name__}: {sources.first_line(cause)}): fix it or pass another --dataset") from None
+                         f"({type(cause).__name__}: {sources.first_line(cause)}): fix it or pass another "
+                         f"--dataset") from None
     if text_column not in ds.column_names:
         raise ValueError(f"{source} has no column {text_column!r} (columns: {ds.column_names}); "
                          f"pass --text-column")

@@ -114,7 +114,8 @@ def check_hf_dir(directory, config_cls, model_cls):
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         found.pop("lm_head.weight", None)
-    missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys() - {"model.rotary_emb.inv_freq"}
+    missing = expected.keys() - found.keys()
+    unexpected = found.keys() - expected.keys() - {"model.rotary_emb.inv_freq"}
     if missing or unexpected:
         raise ValueError(f"{directory}: the weight files lack {sorted(missing)[:4]} and hold unexpected "
                          f"{sorted(unexpected)[:4]}: they do not belong to its config.json")

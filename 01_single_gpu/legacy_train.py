@@ -150,7 +150,8 @@ def train(args, model, optimizer, plan: TrainPlan, dataset, config):
     flops = plan.flops_per_token(config, args.seq_len) * tokens_per_step
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items()
                                      if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
-    log = metrics.open_json_log(args.json_log, start, args.resume) if (args.json_log and plan.is_logging_rank) else None
+    log = (metrics.open_json_log(args.json_log, start, args.resume) if args.json_log and plan.is_logging_rank
+           else None)
     bar = tqdm(total=args.steps, initial=start, disable=not plan.is_logging_rank or args.no_progress,
                desc="train", dynamic_ncols=True)
     guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None

@@ -139,7 +139,8 @@ def check_source(source: str, text_column: str = "text", window: int = 1):
                 raise ValueError(f"{path} is not a Parquet file ({first_line(error)}): fix it or pass another "
                                  f"--dataset") from None
             if text_column not in schema.names:
-                raise ValueError(f"{path} has no column {text_column!r} (columns: {schema.names}); pass --text-column")
+                raise ValueError(f"{path} has no column {text_column!r} (columns: {schema.names}); "
+                                 f"pass --text-column")
             column_type = str(schema.field(text_column).type)
             if "string" not in column_type:
                 raise ValueError(f"{path}: column {text_column!r} holds {column_type}, not text: pass --text-column "

@@ -61,7 +61,8 @@ CASES = [
      "--checkpoint-every must be 0 or more", {}),
     ("checkpoint-every-without-dir", "01", ["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir", {}),
     ("keep-last-without-dir", "01", ["--keep-last", "2"], "--keep-last needs --checkpoint-dir", {}),
-    ("keep-last-negative", "01", ["--keep-last", "-1", "--checkpoint-dir", "{fresh}"], "--keep-last must be 0 or more", {}),
+    ("keep-last-negative", "01", ["--keep-last", "-1", "--checkpoint-dir", "{fresh}"],
+     "--keep-last must be 0 or more", {}),
     ("resume-without-dir", "01", ["--resume"], "--resume needs --checkpoint-dir", {}),
     ("resume-and-overwrite", "01", ["--resume", "--overwrite", "--checkpoint-dir", "{ckpt}"],
      "--overwrite starts a new run", {}),
@@ -91,11 +92,13 @@ CASES = [
     ("timeline-missing-folder", "06", ["--timeline", "{missing}/t.png"], "create it or pass another path", {}),
     ("timeline-not-a-picture", "06", ["--timeline", "{fresh}.txt"], "use .png, .svg or .pdf", {}),
     # --- resume
-    ("resume-missing-dir", "01", ["--resume", "--checkpoint-dir", "{missing}"], "pass the --checkpoint-dir of the run", {}),
+    ("resume-missing-dir", "01", ["--resume", "--checkpoint-dir", "{missing}"],
+     "pass the --checkpoint-dir of the run", {}),
     ("resume-empty-dir", "01", ["--resume", "--checkpoint-dir", "{empty}"], "no checkpoint in", {}),
     ("resume-corrupt", "01", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"], "fails its sha256 check", {}),
     ("resume-truncated", "01", ["--resume", "--checkpoint-dir", "{ckpt_truncated}"], "the manifest says", {}),
-    ("resume-bad-manifest", "01", ["--resume", "--checkpoint-dir", "{ckpt_bad_manifest}"], "manifest.json is not valid JSON", {}),
+    ("resume-bad-manifest", "01", ["--resume", "--checkpoint-dir", "{ckpt_bad_manifest}"],
+     "manifest.json is not valid JSON", {}),
     ("resume-other-seed", "01", ["--resume", "--checkpoint-dir", "{ckpt}", "--seed", "7"],
      "--seed 7 differs from the checkpoint's 1234", {}),
     ("resume-other-model", "01", ["--resume", "--checkpoint-dir", "{ckpt}", "--hidden-size", "64"],
@@ -127,7 +130,8 @@ CASES = [
     ("tokenizer-missing-abs", "01", ["--tokenizer", "{missing}/tok"], "no such folder", {}),
     ("tokenizer-empty-dir", "01", ["--tokenizer", "{empty}"], "holds no tokenizer", {}),
     ("tokenizer-corrupt", "01", ["--tokenizer", "{tok_corrupt}"], "could not be loaded", {}),
-    ("tokenizer-hub-offline", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"], "offline: pass a local directory", OFFLINE),
+    ("tokenizer-hub-offline", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"], "offline: pass a local directory",
+     OFFLINE),
     ("tokenizer-hub-unreachable", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"], "offline: pass a local directory",
      {"HF_HUB_OFFLINE": None}),
     ("tokenizer-without-eos", "01", ["--tokenizer", "{tok_no_eos}"], "save it with one (eos_token=...)", {}),
@@ -141,7 +145,8 @@ CASES = [
     ("init-from-corrupt-weights", "01", ["--init-from", "{hf_corrupt}"], "is not a readable safetensors file", {}),
     ("init-from-truncated-weights", "01", ["--init-from", "{hf_truncated}"], "is not a readable safetensors file", {}),
     ("init-from-other-shapes", "01", ["--init-from", "{hf_other_shapes}"], "config.json implies", {}),
-    ("init-from-missing-shard", "01", ["--init-from", "{hf_missing_shard}"], "names model-00002-of-00002.safetensors", {}),
+    ("init-from-missing-shard", "01", ["--init-from", "{hf_missing_shard}"],
+     "names model-00002-of-00002.safetensors", {}),
     # --- parallel layouts (no torchrun: a world of one) and the flags every folder shares
     ("dp-without-torchrun", "02", ["--dp", "2"], "launch with --nproc_per_node 2", {}),
     ("dp-0", "02", ["--dp", "0"], "--dp must be at least 1", {}),
@@ -211,10 +216,10 @@ def materials(tmp_path_factory):
 
     def relabel(**args):
         def change(step):
-            manifest = step / ("manifest.json" if (step / "manifest.json").exists() else "meta.json")
+            manifest = step / "manifest.json"
             meta = json.loads(manifest.read_text())
             meta["args"].update(args)
-            meta.setdefault("layout", {}).update({k: v for k, v in args.items() if k in ("dp", "zero_stage")})
+            meta["layout"].update({k: v for k, v in args.items() if k in ("dp", "zero_stage")})
             meta["world_size"] = args.get("dp", meta["world_size"])
             manifest.write_text(json.dumps(meta))
         return change
@@ -222,8 +227,7 @@ def materials(tmp_path_factory):
     variant("ckpt_corrupt", corrupt)
     variant("ckpt_truncated", lambda step: (step / "rank_00000.safetensors").write_bytes(
         (step / "rank_00000.safetensors").read_bytes()[:-4096]))
-    variant("ckpt_bad_manifest", lambda step: [(step / n).write_text("{not json") for n in ("manifest.json", "meta.json")
-                                               if (step / n).exists()])
+    variant("ckpt_bad_manifest", lambda step: (step / "manifest.json").write_text("{not json"))
     variant("ckpt_dp2", relabel(dp=2))
     variant("ckpt_zero1", relabel(zero_stage=1, dp=1))
     variant("ckpt_experts", relabel(num_experts=4))
@@ -271,11 +275,13 @@ def materials(tmp_path_factory):
             (m[name] / "model.safetensors").write_bytes(weights)
     good_weights = (m["hf_good"] / "model.safetensors").read_bytes()
     hf_variant("hf_bad_json", config_text="{oops")
-    hf_variant("hf_missing_keys", config_text=json.dumps({k: v for k, v in good_config.items() if k != "hidden_size"}))
+    hf_variant("hf_missing_keys", config_text=json.dumps({k: v for k, v in good_config.items()
+                                                          if k != "hidden_size"}))
     hf_variant("hf_no_weights")
     hf_variant("hf_corrupt", weights=b"\x00" * 64)
     hf_variant("hf_truncated", weights=good_weights[: len(good_weights) // 2])
-    hf_variant("hf_other_shapes", config_text=json.dumps({**good_config, "intermediate_size": 96}), weights=good_weights)
+    hf_variant("hf_other_shapes", config_text=json.dumps({**good_config, "intermediate_size": 96}),
+               weights=good_weights)
     hf_variant("hf_missing_shard")
     save_file({k: v.contiguous() for k, v in modeling.LlamaForCausalLM(config).state_dict().items()},
               m["hf_missing_shard"] / "model-00001-of-00002.safetensors")
