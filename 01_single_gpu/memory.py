@@ -6,7 +6,7 @@ rank (so a sharded run reports its shard); activations are estimated with the pl
 autograd stores for the backward pass (its peak over a training step is what the trainers print
 after their first step). On a GPU the allocator's peak is reported too.
 
-Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1, seed digest SG-9;
+Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1;
 Korthikanti et al. Table 2), for sequence s, micro-batch b, hidden h, heads a, tensor-parallel t,
 context-parallel c (s → s/c):
     recompute   no TP                  TP (t ranks)                    TP + SP

@@ -16,7 +16,8 @@ Designed to be parallelised without being edited:
     needs no config change;
   * the attention core is one swappable callable `Attention.attn_fn` (ring attention, flash
     attention and selective recomputation replace it), rotary embedding is `Attention.rope_fn`;
-  * the MLP is the named submodule `mlp` (MoE replaces it) with a swappable `act_fn`;
+  * the MLP is the named submodule `mlp` (MoE replaces it) with a swappable `act_fn`; an MLP may
+    return (output, auxiliary loss), which every layer returns and the model adds to the task loss;
   * the loss is `LlamaForCausalLM.loss_fn(hidden, lm_head, labels)` (vocab-parallel and fused
     cross-entropy replace it), so the full logits never need to exist outside it.
 
@@ -214,6 +215,12 @@ class MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))   # (B, T, F) -> (B, T, C)
 
 
+def split_auxiliary(out):
+    """An MLP returns its output (B, T, C), or (output, auxiliary loss): 07's MoE block returns its
+    α-weighted load-balancing loss. -> (output, auxiliary loss or 0.0)."""
+    return out if isinstance(out, tuple) else (out, 0.0)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -222,9 +229,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):  # (B, T, C)
+    def forward(self, x, cos, sin):  # (B, T, C) -> (B, T, C), the MLP's auxiliary loss (0.0 without one)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y, aux = split_auxiliary(self.mlp(self.post_attention_layernorm(x)))
+        return x + y, aux
 
 
 class LlamaModel(nn.Module):
@@ -238,14 +246,16 @@ class LlamaModel(nn.Module):
     def rotary(self, position_ids, dtype):
         return rotary_cos_sin(position_ids, self.config, dtype)
 
-    def forward(self, input_ids, position_ids=None):  # (B, T) -> (B, T, C)
+    def forward(self, input_ids, position_ids=None):  # (B, T) -> (B, T, C), Σ of the layers' auxiliary losses
         x = self.embed_tokens(input_ids)
         if position_ids is None:  # context parallelism passes the positions of its shard instead
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rotary(position_ids, x.dtype)                        # (T, hd)
+        aux = 0.0
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, layer_aux = layer(x, cos, sin)
+            aux = aux + layer_aux
+        return self.norm(x), aux
 
 
 def cross_entropy_loss(hidden, lm_head, labels):
@@ -276,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
                 p.normal_(0.0, self.config.initializer_range)
 
     def forward(self, input_ids, labels=None, position_ids=None):
-        hidden = self.model(input_ids, position_ids)                          # (B, T, C)
+        hidden, aux = self.model(input_ids, position_ids)                     # (B, T, C), () or 0.0
         if labels is None:
             return self.lm_head(hidden)                                        # (B, T, V)
-        return self.loss_fn(hidden, self.lm_head, labels)                      # scalar
+        return self.loss_fn(hidden, self.lm_head, labels) + aux                # scalar: task + auxiliary

@@ -24,6 +24,7 @@ New compared with 01: the gradient synchronisation; model, loop and optimizer ar
 """
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 
@@ -36,6 +37,8 @@ def average_gradients(params, group):
     Parameters without a gradient are skipped. Blocking: nothing overlaps with backward.
     """
     size = dist.get_world_size(group)
+    if size == 1:                           # nothing to average (e.g. 08 with cp = dp = 1)
+        return
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)   # (*p.shape) summed over ranks
@@ -43,42 +46,35 @@ def average_gradients(params, group):
 
 
 class DataParallel:
-    """Naive data parallelism, and the micro-batch loop every mode shares.
+    """Naive data parallelism: `finish_gradients` all-reduces every gradient after backward.
 
-    `forward_backward` and `finish_gradients` are the two `TrainPlan` entries of 01's loop.
-    `events` records ("grad", i) when parameter i's gradient is complete and ("launch", k) when
-    collective k is issued, so a test can see whether communication started before backward ended.
+    The step (02's train.py) runs every micro-batch's backward but the last inside `no_sync()`, then
+    calls `finish_gradients`. `events` records ("grad", i) when parameter i's gradient is complete and
+    ("launch", k) when collective k is issued; `step_events` keeps the last finished step's, so a test
+    can see whether communication started before backward ended.
     """
 
     def __init__(self, model, group):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.group, self.size = group, dist.get_world_size(group)
         self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
-        self.events = []
+        self.events, self.step_events = [], []
 
     @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate local gradients without communicating (every micro-batch but the last)."""
-        self.require_backward_grad_sync = False
+    def no_sync(self, enabled: bool = True):
+        """Accumulate local gradients without communicating (DDP's no_sync; every micro-batch but the last)."""
+        self.require_backward_grad_sync = not enabled
         try:
             yield
         finally:
             self.require_backward_grad_sync = True
 
-    def forward_backward(self, model, micro_batches):
-        """01's gradient accumulation, synchronising only during the last backward."""
-        self.events.clear()
-        total = 0.0
-        for i, (x, y) in enumerate(micro_batches):                     # x, y: (mbs, T)
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.no_sync():
-                loss = model(x, labels=y) / len(micro_batches)
-                loss.backward()                                         # hooks fire in here
-            total += loss.detach()
-        return total
-
     def finish_gradients(self):
         average_gradients(self.params, self.group)
+        self._end_step()
+
+    def _end_step(self):
+        self.step_events, self.events = self.events, []
 
 
 # ======================================================================================
@@ -104,6 +100,7 @@ class OverlapDataParallel(DataParallel):
             work.wait()
             p.grad.div_(self.size)
         self.pending.clear()
+        self._end_step()
 
 
 # ======================================================================================
@@ -176,6 +173,28 @@ class BucketDataParallel(DataParallel):
             bucket.flat.div_(self.size)             # (Σ numel,): every .grad in it is now the mean
             bucket.ready, bucket.work = 0, None
         self.launched = 0
+        self._end_step()
+
+
+def global_mean(loss, group) -> float:
+    """This rank's mean loss -> the mean over the ranks of `group`: the global batch's loss (for the log)."""
+    loss = torch.as_tensor(loss).detach().clone()                       # () on every rank
+    dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)            # gloo has no ReduceOp.AVG
+    return float(loss / dist.get_world_size(group))
+
+
+def add_arguments(parser):
+    """--dp-mode, --bucket-mb (the degree --dp is process_grid's)."""
+    g = parser.add_argument_group("data parallelism (02)")
+    g.add_argument("--dp-mode", choices=["naive", "overlap", "bucket"], default="bucket",
+                   help="all-reduce after backward, per-parameter async hooks, or flat buckets")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for --dp-mode bucket (DDP's 25 MB)")
+    return g
+
+
+def check_data_parallel(bucket_mb: float):
+    if bucket_mb <= 0:
+        raise ValueError(f"--bucket-mb must be positive, got {bucket_mb}")
 
 
 def wrap(model, group, mode: str, bucket_mb: float = 25.0) -> DataParallel:

@@ -18,6 +18,7 @@ like DP ranks.
 Every group of every dimension is created on every rank, in the same order, as torch.distributed
 requires; a rank keeps the ones it belongs to in a frozen dataclass that is passed explicitly.
 """
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -143,7 +144,41 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python train.py`: a world of one, on a port no other run holds
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        backend, timeout = "nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            dist.init_process_group(backend, timeout=timeout)
+        else:                        # plain `python train.py`: a world of one, on a port no other run holds
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
     return build_process_grid(dp, pp, cp, tp, ep)
+
+
+@contextlib.contextmanager
+def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+                timeout_s: float = watchdog.DEFAULT_TIMEOUT_S):
+    """`with distributed(...) as grid:` init_distributed, and at the end destroy the process group this
+    call created: a process that exits with live gloo/NCCL threads can abort ("terminate called without
+    an active exception") and make a finished run look failed. A group created by the caller (the test
+    harness) is left to it."""
+    created = not dist.is_initialized()
+    grid = init_distributed(device_type, dp, pp, cp, tp, ep, timeout_s)
+    try:
+        yield grid
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+DEGREES = {"dp": "data-parallel degree: replicas that split the global batch",
+           "tp": "tensor-parallel degree: ranks that split every weight matrix",
+           "cp": "context-parallel degree: ranks that split each sequence",
+           "pp": "pipeline stages (ranks per pipeline)",
+           "ep": "expert-parallel degree: dp ranks that split the experts"}
+
+
+def add_degree_arguments(parser, *dims):
+    """--dp/--tp/--cp/--pp/--ep, the grid's degrees (every trainer takes the ones it implements)."""
+    group = parser.add_argument_group("process grid: arange(world).view(dp, pp, cp, tp)")
+    for dim in dims:
+        group.add_argument(f"--{dim}", type=int, default=1, help=DEGREES[dim])
+    return group

@@ -1,86 +1,98 @@
 """ZeRO training: 02's data parallelism with the model states sharded over the dp ranks.
 
-Playbook §2.2 "ZeRO" and Rajbhandari et al. The full model is built and seeded exactly as in 01,
-then `zero.py` regroups its parameters into flat per-module units and shards them; 01's AdamW
-steps only this rank's shards. Losses equal 01's (and 02's) for the same global batch; what
-changes is the memory per rank and the communication (formulas in zero.py's docstring):
+Playbook §2.2 "ZeRO", Rajbhandari et al. The full model is built and seeded exactly as in 01, then
+zero.py regroups its parameters into flat per-module units and shards them; 01's AdamW steps only this
+rank's shards. Losses equal 01's (and 02's) for the same global batch; what changes is the memory per
+rank and where the collectives happen (formulas in zero.py and the folder's README):
 
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 1 --mbs 2 --steps 50
-    torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 2 --mbs 2 --grad-acc 2
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
-It prints one line or bar per step, the communication every rank issued per step (reduce-scatter
-and all-gather in the dp group) and the model states this rank holds, measured from its tensors,
-beside the ZeRO paper's prediction.
+New in the step compared with 02: the gradient buffers are ZeRO's (`zero_gradients`), the reduction is a
+reduce-scatter (stage 1 after the last micro-batch, stages 2-3 from backward hooks), the norm is summed over
+the shards, AdamW steps 1/N of the states, and stages 1-2 all-gather the updated shards after it.
 """
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
 
+import functools
 import os
 from importlib import import_module
 
-base = import_module("01_single_gpu.legacy_train")
-memory = base.memory
-dp_train = import_module("02_data_parallel.train")
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+loop = import_module("01_single_gpu.loop")
+memory = import_module("01_single_gpu.memory")
+metrics = import_module("01_single_gpu.metrics")
+optim = import_module("01_single_gpu.optim")
+recompute = import_module("01_single_gpu.recompute")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+data_parallel = import_module("02_data_parallel.data_parallel")
 zero_mod = import_module("03_zero.zero")
 
 
-def build_parser(description):
-    p = base.cli.core_parser(description)
-    g = p.add_argument_group("ZeRO")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree: ranks that split the batch and the states")
-    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=1,
-                   help="1: optimizer states, 2: + gradients, 3: + parameters sharded")
-    return p
+def train_step(model, optimizer, micro_batches, zero, grid, args):
+    """02's step on ZeRO's shards; returns (global loss, gradient norm)."""
+    optimizer.zero_grad(set_to_none=True)
+    zero.zero_gradients()                             # stage 1: .grad views of flat buffers; 2-3: shard grads
+    loss = 0.0
+    with build.autocast(args, micro_batches[0][0].device):
+        for x, y in micro_batches:                    # x, y: (mbs, T), this rank's rows
+            micro_loss = model(x, labels=y) / len(micro_batches)
+            micro_loss.backward()                     # 2-3: units reduce-scattered as their grads complete;
+            loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
+    zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
+    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖²
+    optimizer.step()                                  # AdamW on this rank's 1/N of the states
+    zero.gather_shards()                              # stages 1-2: all-gather the updated shards
+    return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
-def check_layout(args):
-    """Every layout error, raised before `init_distributed` creates a group."""
-    dp_train.process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
-    if args.zero_stage == 3:
-        if args.tie_embeddings:
-            raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
-                             "or use --zero-stage 1 or 2")
-        if args.kernels != "torch":
-            raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
-                             "loss of --kernels triton bypasses: use --kernels torch")
-        if args.checkpoint_dir or args.resume:
-            raise ValueError("--zero-stage 3 keeps only parameter shards, which checkpoint.py does not save: "
-                             "drop --checkpoint-dir/--resume or use --zero-stage 1 or 2")
+def build_parser():
+    parser = cli.core_parser(__doc__.splitlines()[0])
+    process_grid.add_degree_arguments(parser, "dp")
+    zero_mod.add_arguments(parser)
+    return parser
 
 
-def expected_state_bytes(stage, n, padded_bytes):
-    """The ZeRO paper's split, for AdamW (2 states) in the parameters' dtype: (params, grads, optimizer)."""
-    psi = padded_bytes
-    return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)
+def check_layout(args, config):
+    """Every layout error, raised before any process group exists."""
+    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
+    zero_mod.check_zero(args)
 
 
-def run(args):
-    """Train with ZeRO; returns (records, the ZeRO object, model, optimizer, meter)."""
-    grid, dataset, config, model = dp_train.setup(args)
+def run(args, config, dataset, grid):
+    """Returns (records, the ZeRO object, model, optimizer, meter)."""
+    model = build.build_model(args, config).to(build.device_of(args))
+    recompute.apply_recompute(model, args.recompute)
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage)
-    optimizer = zero.make_optimizer(lambda params: base.make_optimizer(params, args))
-    plan = base.TrainPlan(dp_rank=grid.dp_rank, dp_size=grid.dp_size, is_logging_rank=grid.rank == 0,
-                          forward_backward=zero.forward_backward, finish_gradients=zero.finish_gradients,
-                          clip_gradients=zero.clip_gradients, global_loss=dp_train.mean_over(grid.dp_group),
-                          layout={"dp": grid.dp_size, "zero_stage": args.zero_stage}, world_size=grid.world_size)
-    if plan.is_logging_rank:
+    optimizer = optim.make_optimizer(zero.shards, args)
+    if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in {len(zero.units)} "
               f"flat units (Ψ = {zero.padded_numel} padded elements), {config}")
-    records, meter = dp_train.train_metered(args, model, optimizer, plan, dataset, config, grid)
+    step = functools.partial(train_step, model, optimizer, zero=zero, grid=grid, args=args)
+    with comm.CommMeter(grid.group_names()) as meter:
+        records = loop.train(args, step, model, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
+                             grid=grid, layout={"dp": grid.dp_size, "zero_stage": args.zero_stage})
     params, grads, states = zero.model_state_bytes(model, optimizer)
-    if plan.is_logging_rank:
-        report = memory.MemoryReport(params, grads, states, dp_train.activation_estimate(args, config))
+    if grid.rank == 0 and records:
+        print(meter.table(f"communication per rank per step (average of {len(records)} steps)", steps=len(records)))
+        activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
+                                                       build.activation_element_bytes(args), args.recompute)
+        report = memory.MemoryReport(params, grads, states, activations)
         print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size})"))
-        expected = expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
         print("  ZeRO paper: " + ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
                                            zip(("parameters", "gradients", "optimizer states"), expected)))
     return records, zero, model, optimizer, meter
 
 
 def main(argv=None):
-    return run(dp_train.parse_and_check(argv, __doc__.splitlines()[0], build_parser, check_layout))[0]
+    args, config, dataset = cli.setup(build_parser(), argv, check_layout)
+    with process_grid.distributed(args.device, dp=args.dp) as grid:
+        return run(args, config, dataset, grid)
 
 
 if __name__ == "__main__":

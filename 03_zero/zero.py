@@ -43,13 +43,9 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-base = import_module("01_single_gpu.legacy_train")
 memory = import_module("01_single_gpu.memory")
+optim = import_module("01_single_gpu.optim")
 comm = import_module("02_data_parallel.comm")
-# The embedding's input (token ids) needs no gradient; its backward pre-hook firing on the output
-# gradient alone is exactly what stage 3 wants, so torch's warning about it is silenced.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
-                                          "to module outputs")
 
 
 def llama_units(model):
@@ -72,7 +68,7 @@ class FlatUnit:
     """
 
     def __init__(self, index, module, params, rank, size, stage):
-        params = sorted(params, key=lambda p: not base.decays(p))            # stable: decayed first
+        params = sorted(params, key=lambda p: not optim.decays(p))            # stable: decayed first
         self.index, self.module, self.params = index, module, params
         self.offsets = [0]
         for p in params:
@@ -89,7 +85,7 @@ class FlatUnit:
         else:           # the shard is all that persists; `full` is re-filled on demand
             self.shard = self.full[self.lo:self.hi].clone()
             self.free()
-        decay_end = self.offsets[sum(base.decays(p) for p in params)]        # where the norm gains start
+        decay_end = self.offsets[sum(optim.decays(p) for p in params)]        # where the norm gains start
         self.pieces = []                                                      # views of the shard
         for a, b, decayed in ((self.lo, min(self.hi, decay_end), True), (max(self.lo, decay_end), self.hi, False)):
             if a < b:
@@ -110,7 +106,8 @@ class FlatUnit:
 
 
 class ZeRO:
-    """The TrainPlan pieces (forward_backward, finish_gradients, clip_gradients) of one stage."""
+    """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
+    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
     def __init__(self, modules, group, stage: int, exclude=(), divisor=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
@@ -137,6 +134,10 @@ class ZeRO:
                 if stage > 1:
                     p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
             if stage == 3:
+                # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
+                # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                                                          "computed with respect to module outputs")
                 unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._before(u, +1))
                 unit.module.register_forward_hook(lambda m, args, out, u=unit: u.free())
                 unit.module.register_full_backward_pre_hook(lambda m, grad, u=unit: self._before(u, -1))
@@ -154,23 +155,12 @@ class ZeRO:
     def padded_bytes(self):
         return sum(unit.padded * unit.shard.element_size() for unit in self.units)
 
-    def make_optimizer(self, make):
-        """make(params) -> 01's AdamW, over the shards; stages 1-2 all-gather after every step."""
-        optimizer = make(self.shards)
-        if self.stage < 3:
-            optimizer.register_step_post_hook(lambda *_: self.gather_shards())
-        return optimizer
-
     # ==================================================================================
-    # the step: forward/backward, gradient reduction, clipping
+    # the step: gradient buffers, gradient reduction, clipping
     # ==================================================================================
-    def forward_backward(self, model, micro_batches):
-        """01's `forward_backward`, with this rank's gradient buffers zeroed first."""
-        self.zero_gradients()
-        return base.forward_backward(model, micro_batches)
-
     def zero_gradients(self):
-        """Before the first micro-batch (08 calls it before its pipeline schedule)."""
+        """Before the first micro-batch: stage 1 points every .grad at its unit's zeroed flat buffer
+        (autograd accumulates into it in place); stages 2-3 zero the shard gradients."""
         self.events.clear()
         for unit in self.units:
             if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
@@ -194,7 +184,7 @@ class ZeRO:
             for piece in unit.pieces:
                 piece.grad = unit.grad[piece.start:piece.start + piece.numel()]
 
-    def clip_gradients(self, params, max_norm):
+    def clip_gradients(self, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
         squares = self.shard_squares()                                        # () this rank's part
         dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
@@ -227,6 +217,7 @@ class ZeRO:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.callback_queued = True
         unit.ready += 1
+        self.events.append(("grad", unit.index))
         if unit.ready == len(unit.params):
             self._reduce_scatter(unit)
 
@@ -285,7 +276,10 @@ class ZeRO:
         self.events.append(("forward" if direction > 0 else "backward", unit.index))
 
     def gather_shards(self):
-        """After the optimizer step (stages 1-2): every rank's updated shards, into every full buffer."""
+        """After the optimizer step (stages 1-2): every rank's updated shards, into every full buffer.
+        Stage 3 keeps only the shards: its units are gathered before each use instead."""
+        if self.stage == 3:
+            return
         works = [comm.all_gather_flat(u.full, u.shard, group=self.group, async_op=True)
                  for u in self.units]         # in place: the shard is slice r of full
         for work in works:
@@ -307,3 +301,34 @@ class ZeRO:
         grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
         return params, grads, memory.optimizer_state_bytes(optimizer)
+
+
+# ======================================================================================
+# flags, layout rules and the paper's numbers
+# ======================================================================================
+def add_arguments(parser):
+    g = parser.add_argument_group("ZeRO (03)")
+    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=1,
+                   help="1: optimizer states, 2: + gradients, 3: + parameters sharded over the dp ranks")
+    return g
+
+
+def check_zero(args):
+    """What ZeRO-3 cannot do here, refused before any process group exists."""
+    if args.zero_stage != 3:
+        return
+    if args.tie_embeddings:
+        raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
+                         "or use --zero-stage 1 or 2")
+    if args.kernels != "torch":
+        raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
+                         "loss of --kernels triton bypasses: use --kernels torch")
+    if args.checkpoint_dir or args.resume:
+        raise ValueError("--zero-stage 3 keeps only parameter shards, which checkpoint.py does not save: "
+                         "drop --checkpoint-dir/--resume or use --zero-stage 1 or 2")
+
+
+def expected_state_bytes(stage, n, padded_bytes):
+    """The ZeRO paper's split, for AdamW (2 states) in the parameters' dtype: (params, grads, optimizer)."""
+    psi = padded_bytes
+    return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)

@@ -163,9 +163,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = shard_parameter(weight, 0, tp_rank, tp_size)        # (out/t, in)
         self.tp_group, self.gather_output = tp_group, gather_output
+        self.linear_fn = F.linear           # the local matmul; ZB-H1 swaps in its split (06's zero_bubble.py)
 
     def forward(self, x):                                                 # (…, in)
-        y = F.linear(x, self.weight)                                      # (…, out/t)
+        y = self.linear_fn(x, self.weight)                                # (…, out/t)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -173,16 +174,18 @@ class RowParallelLinear(nn.Module):
     """Y = Σ_r X_r·A_rᵀ: weight (out, in/t), columns [r·in/t, (r+1)·in/t) of the dense one.
 
     X (…, in/t) is this rank's shard (the output of a column-parallel layer); the partial products
-    are summed by `exit_region` (f̄ all-reduce; sequence parallelism's reduce-scatter).
+    are summed by `exit_region` (f̄ all-reduce; sequence parallelism's reduce-scatter). `linear_fn`
+    is the local matmul before that collective, so a split backward (ZB-H1) can defer its dW alone.
     """
 
     def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=reduce_from_tp_region):
         super().__init__()
         self.weight = shard_parameter(weight, 1, tp_rank, tp_size)        # (out, in/t)
         self.tp_group, self.exit_region = tp_group, exit_region
+        self.linear_fn = F.linear
 
     def forward(self, x):                                                 # (…, in/t)
-        return self.exit_region(F.linear(x, self.weight), self.tp_group)  # (…, out) partial -> summed
+        return self.exit_region(self.linear_fn(x, self.weight), self.tp_group)   # (…, out) partial -> summed
 
 
 def enter_region(module, enter, group):
@@ -251,6 +254,7 @@ def clip_grad_norm_tp(params, max_norm, tp_group, pp_group=None):
     the group), the replicated norms are equal on every rank (counted once). With pipeline stages
     (08) each stage holds other layers, so the stage's ‖g‖² is summed over `pp_group` too. Returns ‖g‖.
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [p.grad for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_sharded", False)]

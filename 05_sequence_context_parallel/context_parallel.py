@@ -156,7 +156,6 @@ class RingAttentionFunction(torch.autograd.Function):
             for i, j, causal in _tiles(layout, rank, (rank - step) % size):
                 tile = tile_forward(q_chunks[i], k_chunks[j], v_chunks[j], causal)
                 outs[i], lses[i] = merge(outs[i], lses[i], *tile)
-                attn.scores_computed += q_chunks[i].shape[2] * k_chunks[j].shape[2]
             if step < size - 1:
                 _wait(requests)
                 kv = next_kv
@@ -199,11 +198,10 @@ class RingAttentionFunction(torch.autograd.Function):
 
 class RingAttention:
     """`Attention.attn_fn` for context parallelism: q (B, nh, T/cp, hd), k/v (B, nkv, T/cp, hd) of this
-    rank's tokens -> (B, nh, T/cp, hd). Counts the attention scores it computes (load balance)."""
+    rank's tokens -> (B, nh, T/cp, hd). Its work is the tiles `_tiles` lists for each hop."""
 
     def __init__(self, layout: CPLayout, cp_group):
         self.layout, self.cp_group = layout, cp_group
-        self.scores_computed = 0
 
     def __call__(self, q, k, v):
         # The softmax statistics are merged across blocks: keep them in float32 (or float64) even under

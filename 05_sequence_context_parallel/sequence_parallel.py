@@ -20,7 +20,7 @@ Communication: all-reduce = reduce-scatter + all-gather, so the volume equals TP
 8·b·s·h·(t−1)/t on the wire per rank, layer and micro-batch). Activation memory: the norm-region activations shrink by t, so per layer
 s·b·h·(34 + 5·a·s/h)/t bytes (16-bit) instead of s·b·h·(10 + 24/t + 5·a·s/(h·t)).
 The RMSNorm weights now see only T/t of the tokens on each rank: their gradients are partial sums
-and are all-reduced over tp before the optimizer step ([PB] L1418).
+and are all-reduced over tp before the optimizer step ([PB] §2.4).
 
     torchrun --nproc_per_node 2 05_sequence_context_parallel/train.py --tp 2 --sp
 """

@@ -1,6 +1,6 @@
 """Context parallelism with all-to-all (DeepSpeed-Ulysses): trade the sequence split for a head split.
 
-Playbook §2.5 (the all-to-all alternative to the ring, CP-5 in the seed digest); Jacobs et al. 2023,
+Playbook §2.5 (the all-to-all alternative to the ring); Jacobs et al. 2023,
 "DeepSpeed Ulysses". Each rank holds T/cp tokens of every head. One all-to-all turns that into all T
 tokens of nh/cp heads; attention then runs locally with the ordinary causal kernel (no merging, no
 masks across blocks), and a second all-to-all turns the output back:

@@ -34,8 +34,16 @@ process_grid = import_module("02_data_parallel.process_grid")
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
 
 
-def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_acc: int, tie_embeddings: bool,
-                   recompute: str = "none"):
+def add_arguments(parser):
+    """--pp-schedule --pp-chunks --timeline (the degree --pp is process_grid's); 08 takes them too."""
+    g = parser.add_argument_group("pipeline parallelism (06; --grad-acc is the number of micro-batches m)")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    g.add_argument("--pp-chunks", type=int, default=1, help="model chunks per rank (V, interleaved schedule)")
+    g.add_argument("--timeline", metavar="PATH.png", help="draw the last step's executed timeline (needs matplotlib)")
+    return g
+
+
+def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_acc: int, tie_embeddings: bool):
     """Every pipeline layout error, raised before any process group exists."""
     if pp < 1 or chunks < 1:
         raise ValueError(f"--pp and --pp-chunks must be at least 1 (got pp={pp}, pp-chunks={chunks})")
@@ -50,9 +58,6 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
     if schedule == "interleaved" and grad_acc % pp:
         raise ValueError(f"the interleaved schedule needs --grad-acc (micro-batches) a multiple of pp={pp}, "
                          f"got {grad_acc} (Megatron §4.2.1); use --grad-acc {math.ceil(grad_acc / pp) * pp}")
-    if schedule == "zb-h1" and recompute == "full":
-        raise ValueError("--pp-schedule zb-h1 splits the backward at every weight's output, which full "
-                         "recomputation does not keep; use --recompute selective or none")
     if tie_embeddings and pp > 1:
         raise ValueError("--tie-embeddings with --pp > 1 is not supported: the embedding (first stage) and the "
                          "lm head (last stage) live on different ranks; drop --tie-embeddings")
@@ -72,13 +77,13 @@ class PipelineStage(nn.Module):
     pipeline and the final norm, lm head and loss on the last. Submodules are the 01 model's own
     (same objects, same initialisation) under the same names, keyed by global layer index."""
 
-    def __init__(self, full, layers: range, is_first: bool, is_last: bool):
+    def __init__(self, full, layers: range, is_first: bool, is_last: bool, position_ids=None):
         super().__init__()
         self.config = full.config
         self.is_first, self.is_last = is_first, is_last
         # (T,) positions of the tokens this rank holds, for RoPE; None: 0 … T−1 of its input. Context
-        # parallelism (08) sets its shard's; under sequence parallelism x holds only T/tp of them.
-        self.position_ids = None
+        # parallelism (08) gives its shard's; under sequence parallelism x holds only T/tp of them.
+        self.position_ids = position_ids
         self.model = nn.Module()
         if is_first:
             self.model.embed_tokens = full.model.embed_tokens
@@ -87,23 +92,43 @@ class PipelineStage(nn.Module):
             self.model.norm, self.lm_head, self.loss_fn = full.model.norm, full.lm_head, full.loss_fn
 
     def forward(self, x, labels=None):
-        """x: token ids (B, T) on the first chunk, else activations (B, T, C); returns (B, T, C) or the loss."""
+        """x: token ids (B, T) on the first chunk, else activations (B, T, C). Returns (the loss on the last
+        chunk, else the activations (B, T, C); the chunk's auxiliary losses: 07's MoE, else 0.0)."""
         if self.is_first:
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
         positions = self.position_ids if self.position_ids is not None else torch.arange(x.shape[1], device=x.device)
         cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
+        aux = 0.0
         for layer in self.model.layers.values():
-            x = layer(x, cos, sin)                                            # (B, T, C)
+            x, layer_aux = layer(x, cos, sin)                                 # (B, T, C), () or 0.0
+            aux = aux + layer_aux
         if self.is_last:
-            return self.loss_fn(self.model.norm(x), self.lm_head, labels)     # scalar
-        return x
+            return self.loss_fn(self.model.norm(x), self.lm_head, labels), aux   # scalar
+        return x, aux
 
 
-def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1) -> nn.ModuleList:
-    """This rank's V chunks of the full (seeded) model; the other ranks' layers are dropped."""
+class AttachSideLoss(torch.autograd.Function):
+    """A loss a stage computes besides its activations (07's load-balancing loss) and never sends on:
+    forward passes x unchanged; backward passes x's gradient and gives the side loss the gradient
+    `scale` (1/m, as every micro-batch's loss), so it trains its stage as if added to the final loss
+    (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, x, side_loss, scale):
+        ctx.scale, ctx.dtype = scale, side_loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.tensor(ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1, position_ids=None) -> nn.ModuleList:
+    """This rank's V chunks of the full (seeded) model; the other ranks' layers are dropped.
+    `position_ids` (T/cp,): the RoPE positions of this rank's tokens under context parallelism (08)."""
     blocks = layer_blocks(full.config.num_hidden_layers, pp_size, chunks, pp_rank)
     return nn.ModuleList(PipelineStage(full, layers, is_first=pp_rank == 0 and c == 0,
-                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1)
+                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1, position_ids=position_ids)
                          for c, layers in enumerate(blocks))
 
 
@@ -218,7 +243,8 @@ def clip_grad_norm_pp(params, max_norm: float, pp_group):
     Data-parallel replicas hold identical (averaged) gradients, so the pipeline group suffices.
     """
     grads = [p.grad for p in params if p.grad is not None]    # every stage holds at least one layer
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp64 stays fp64; bf16 sums in fp32
+    squares = torch.stack([g.detach().to(dtype).pow(2).sum() for g in grads]).sum()
     dist.all_reduce(squares, group=pp_group)                  # () summed over the p stages
     norm = squares.sqrt()
     if max_norm > 0:

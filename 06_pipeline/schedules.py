@@ -7,7 +7,7 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
 
     schedule      bubble                                   micro-batches held per stage
     afab          (p−1)/m                                  m        (all forwards, then all backwards)
-    1f1b          (p−1)/m          (same bubble, [PB] E16)  p − rank (warm-up, steady 1F1B, cool-down)
+    1f1b          (p−1)/m          (same bubble, erratum E16)  p − rank (warm-up, steady 1F1B, cool-down)
     interleaved   (p−1)/(V·m)      (chunks are V× shorter)  ≈ p per chunk; m must be a multiple of p
     zb-h1         (p−1)(t_F+t_B−t_W)/(m(t_F+t_B+t_W))        p  (ZB paper §3.1, "ZB-H1")
                   = (p−1)/(3m) for t_F = t_B = t_W
@@ -15,21 +15,26 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
 Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
 on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
 Each schedule is `train_step_*(pipe, micro_batches)` -> the local mean loss (0 off the last stage);
-`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline.
+`Pipeline` (below) runs the passes, talks to the neighbours and records the timeline with its pass
+clock (the host's on the CPU, CUDA events on a GPU). ZB-H1's B/W split is zero_bubble.py's.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 """
 import time
 from dataclasses import dataclass
+from importlib import import_module
 
 import torch
+
+pipeline = import_module("06_pipeline.pipeline")
+zero_bubble = import_module("06_pipeline.zero_bubble")
 
 
 @dataclass(frozen=True)
 class Event:
     """One pass that a rank really ran: op F (forward), B (backward, or input-gradient only in
-    ZB-H1), W (weight gradient, ZB-H1); wall-clock seconds (time.time(), comparable across processes
-    of one machine)."""
+    ZB-H1), W (weight gradient, ZB-H1); start and end in seconds of the host clock (time.time(),
+    comparable across processes of one machine), measured by the pipeline's pass clock."""
     rank: int
     op: str
     micro: int
@@ -38,33 +43,81 @@ class Event:
     end: float
 
 
+# ======================================================================================
+# Pass clocks: when a pass really ran
+# ======================================================================================
+class HostClock:
+    """CPU: a pass runs while the host runs it, so the host clock times it."""
+
+    def begin_step(self):
+        pass
+
+    def stamp(self):
+        return time.time()
+
+    def seconds(self, stamps):
+        return list(stamps)
+
+
+class DeviceClock:
+    """CUDA: the host only queues kernels, and does not wait for an irecv (the stream does), so host
+    time would say when a pass was queued. Events recorded on the stream say when it ran: at the step's
+    start one wait for the reference event, then host time t0; a pass's time is t0 + the device time
+    elapsed since the reference, resolved after one more wait at the end of the step (none per pass)."""
+
+    def __init__(self, event_class):
+        self.event_class = event_class            # torch.cuda.Event (a fake one in the tests)
+
+    def begin_step(self):
+        self.reference = self.stamp()
+        self.reference.synchronize()              # the stream has drained up to now
+        self.t0 = time.time()
+
+    def stamp(self):
+        event = self.event_class(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, stamps):
+        if stamps:
+            stamps[-1].synchronize()              # the last event ran, so did every earlier one (one stream)
+        return [self.t0 + self.reference.elapsed_time(e) / 1e3 for e in stamps]   # elapsed_time: ms
+
+
+def pass_clock(device):
+    """The clock for `device`: CUDA events on a GPU; the host clock (and no torch.cuda call) on the CPU."""
+    return DeviceClock(torch.cuda.Event) if device.type == "cuda" else HostClock()
+
+
 class Pipeline:
     """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
-    chunk) whose activations are kept for a backward not yet run."""
+    chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
 
-    def __init__(self, stages, p2p):
-        self.stages, self.p2p = stages, p2p
+    split_backward (ZB-H1): the linear layers' dW is split off the backward (zero_bubble.py) into
+    `weight_store`, which this pipeline owns; `backward_input` and `backward_weight` run the halves."""
+
+    def __init__(self, stages, p2p, clock=None, split_backward=False):
+        self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
         self.events, self.peak_held = [], 0
-        self._capturing = None
-        for module in stages.modules():       # ZB-H1 needs the output of every module that owns weights
-            if list(module.parameters(recurse=False)):
-                module.register_forward_hook(self._capture)
+        self.weight_store = zero_bubble.WeightGradStore() if split_backward else None
+        if split_backward:
+            zero_bubble.split_weight_gradients(stages, self.weight_store)
 
-    def _capture(self, module, inputs, output):
-        if self._capturing is not None:
-            self._capturing.append((module, output))
-
-    def begin(self, micro_batches, split_backward=False):
-        self.micro_batches, self.m, self.split_backward = micro_batches, len(micro_batches), split_backward
-        self.saved, self.loss, self.events, self.peak_held = {}, 0.0, [], 0
+    def begin(self, micro_batches):
+        self.micro_batches, self.m = micro_batches, len(micro_batches)
+        self.saved, self.loss, self.events, self.peak_held, self._stamps = {}, 0.0, [], 0, []
         self.p2p.sent = []
+        self.clock.begin_step()
 
     def _timed(self, op, micro, chunk, fn):
-        start = time.time()
+        start = self.clock.stamp()
         result = fn()
-        self.events.append(Event(self.rank, op, micro, chunk, start, time.time()))
+        self._stamps.append((op, micro, chunk, start, self.clock.stamp()))
         return result
+
+    def _held(self):
+        return len(self.saved) + (self.weight_store.pending() if self.weight_store else 0)
 
     def forward(self, micro: int, chunk: int = 0):
         """F: receive the input, run the chunk, send the output (or keep the loss / m on the last stage)."""
@@ -72,53 +125,44 @@ class Pipeline:
         x, labels = self.micro_batches[micro]                                 # (mbs, T) each
         if not stage.is_first:
             x = self.p2p.recv_forward(micro, chunk)                           # (mbs, T, C)
-        self._capturing = [] if self.split_backward else None
-        out = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
+        out, aux = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
         if stage.is_last:
-            out = out / self.m                                                # 01 averages over micro-batches
+            out = (out + aux) / self.m                                        # 01 averages over micro-batches
             self.loss += out.detach()
         else:
+            if torch.is_tensor(aux):   # a side loss (07's MoE): it trains through the backward of `out`
+                out = pipeline.AttachSideLoss.apply(out, aux, 1.0 / self.m)
+                self.loss += aux.detach() / self.m                            # this stage's share of the loss
             self.p2p.send_forward(out, micro, chunk)
-        self.saved[micro, chunk] = (None if stage.is_first else x, out, self._capturing)
-        self._capturing = None
-        self.peak_held = max(self.peak_held, len(self.saved))
+        self.saved[micro, chunk] = (None if stage.is_first else x, out)
+        self.peak_held = max(self.peak_held, self._held())
 
     def backward(self, micro: int, chunk: int = 0):
         """B (weights included): receive d out, backpropagate through the chunk, send d input."""
         stage = self.stages[chunk]
-        x, out, _ = self.saved.pop((micro, chunk))
+        x, out = self.saved.pop((micro, chunk))
         dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
         self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
         if x is not None:
             self.p2p.send_backward(x.grad, micro, chunk)
 
     def backward_input(self, micro: int, chunk: int = 0):
-        """ZB's B: gradients w.r.t. the chunk input and every weight-owning module's output only
-        (dX = dY·Wᵀ, no dW yet); the graph is kept for W."""
-        stage = self.stages[chunk]
-        x, out, captured = self.saved[micro, chunk]
-        dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
-        targets = ([x] if x is not None else []) + [y for _, y in captured]
-        grads = self._timed("B", micro, chunk, lambda: torch.autograd.grad(
-            out, targets, grad_outputs=dout, retain_graph=True))
-        if x is not None:
-            self.p2p.send_backward(grads[0], micro, chunk)
-            grads = grads[1:]
-        self.saved[micro, chunk] = (x, out, [(module, y, dy) for (module, y), dy in zip(captured, grads)])
+        """ZB's B: the same backward, every collective's backward included, but the linear layers'
+        dW = dYᵀ·X are queued in the weight store (their X and dY are held until W)."""
+        with self.weight_store.collect((micro, chunk)):
+            self.backward(micro, chunk)
 
     def backward_weight(self, micro: int, chunk: int = 0):
-        """ZB's W: dW = Xᵀ·dY for every weight-owning module, from its saved output gradient dY; each
-        module alone, so a gradient never flows on into the modules before it (B did that)."""
-        _, _, captured = self.saved.pop((micro, chunk))
-
-        def weight_gradients():
-            for module, y, dy in captured:
-                torch.autograd.backward(y, dy, inputs=list(module.parameters(recurse=False)), retain_graph=True)
-        self._timed("W", micro, chunk, weight_gradients)
+        """ZB's W: the queued dW matmuls of (micro, chunk), added into .grad; no communication."""
+        self._timed("W", micro, chunk, lambda: self.weight_store.run((micro, chunk)))
 
     def finish(self):
         self.p2p.finish()
-        assert not self.saved, f"passes left unfinished: {sorted(self.saved)}"
+        deferred = self.weight_store.queues if self.weight_store else {}
+        assert not self.saved and not deferred, f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
+        times = self.clock.seconds([t for *_, start, end in self._stamps for t in (start, end)])
+        self.events = [Event(self.rank, op, micro, chunk, start, end) for (op, micro, chunk, *_), start, end
+                       in zip(self._stamps, times[::2], times[1::2])]
         return self.loss
 
 
@@ -193,7 +237,9 @@ def train_step_zb_h1(pipe, micro_batches):
     """1F1B's order of F and B; stage r runs micro-batch i's W only after the B of micro-batch i+r,
     so the r deferred Ws fill the cool-down, where 1F1B waits for gradients from later stages.
     Held micro-batches: (p−r−1 warm-up) + 1 + r deferred = p on every stage (1F1B's peak)."""
-    pipe.begin(micro_batches, split_backward=True)
+    if pipe.weight_store is None:
+        raise ValueError("train_step_zb_h1 needs Pipeline(..., split_backward=True): its B defers dW to W")
+    pipe.begin(micro_batches)
     m, lag = pipe.m, pipe.rank
     warmup = min(pipe.p - pipe.rank - 1, m)
     deferred = []

@@ -1,7 +1,8 @@
 """The executed pipeline timeline: bubble fractions (measured, replayed, theory), checks, a picture.
 
 Playbook §2.6 (the AFAB / 1F1B / interleaved / ZB figures). Every schedule records the passes a
-rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, wall-clock start and end);
+rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, start and end in host-clock
+seconds: timed by the host on the CPU, by CUDA events on a GPU, where the host only queues the work);
 this file turns the events of all ranks of one pipeline into
 
   * the measured bubble: span of the step T, rank r busy for busy_r, bubble_r = (T − busy_r)/busy_r
@@ -19,6 +20,8 @@ this file turns the events of all ranks of one pipeline into
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b --timeline 1f1b.png
 """
 from importlib import import_module
+
+import torch.distributed as dist
 
 Event = import_module("06_pipeline.schedules").Event
 
@@ -127,3 +130,25 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1):
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def report(args, grid, events):
+    """Gather the last step's events of this rank's pipeline (collective over pp); rank 0 prints the
+    bubble (measured, replayed, theory) and draws --timeline. Returns the pipeline's events."""
+    gathered = [None] * grid.pp_size
+    dist.all_gather_object(gathered, events, group=grid.pp_group)
+    events = [e for rank_events in gathered for e in rank_events]
+    if not events:                          # no step ran (a resume at the last step)
+        return events
+    p, m, V = grid.pp_size, args.grad_acc, args.pp_chunks
+    theory = theory_bubble(args.pp_schedule, p, m, V)
+    measured, replayed = measured_bubble(events), replayed_bubble(events, p, V)
+    if grid.rank == 0:
+        print(f"bubble ({args.pp_schedule}, p={p}, m={m}, V={V}): measured {measured:.1%} (wall clock), "
+              f"replayed {replayed:.1%} (ideal pass times), theory {theory:.1%}")
+        if args.timeline:
+            title = (f"{args.pp_schedule}: p={p}, m={m}" + (f", V={V}" if V > 1 else "") +
+                     f" | bubble: measured {measured:.0%}, replayed {replayed:.1%}, theory {theory:.1%}")
+            render_png(events, args.timeline, title, p, V)
+            print(f"timeline written to {args.timeline}")
+    return events

@@ -1,8 +1,8 @@
 """Expert parallelism: each rank keeps E/ep experts; tokens travel to their experts by all-to-all.
 
-Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all"), seed digest EP-2..EP-4;
+Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all");
 GShard (Lepikhin et al. 2020), DeepSpeed-MoE, Megatron-core's all-to-all token dispatcher. EP is
-carved out of data parallelism (02's process grid, "EP as a sub-case of DP", EP-4): the dp ranks
+carved out of data parallelism (02's process grid; [PB] §2.7 "EP as a sub-case of DP"): the dp ranks
 form dp/ep blocks of ep consecutive ranks (`ep_group`); rank r of a block owns experts
 [r·E/ep, (r+1)·E/ep) and reads its own slice of the batch, so attention and the router never run
 redundantly. In each MoE layer, after the router has sorted a rank's rows (token-choices) by expert:
@@ -41,7 +41,7 @@ Errata: the cheat-sheet's "BP"/"ep: context parallelism" mean expert parallelism
 trains with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP, without TP (E3).
 
 API: check_expert_parallel(num_experts, ep, dp) before any process group; apply_expert_parallel
-(model, grid) after moe.apply_moe; make_finish_gradients and clip_grad_norm_ep for the TrainPlan.
+(model, grid) after moe.apply_moe; sync_gradients and clip_grad_norm_ep in the step.
 
     torchrun --nproc_per_node 4 07_expert_parallel/train.py --dp 4 --ep 2 --num-experts 4
 
@@ -131,21 +131,15 @@ def apply_expert_parallel(model, grid):
     return model
 
 
-def make_finish_gradients(model, grid):
-    """The TrainPlan's finish_gradients: dense weights averaged over dp, expert weights summed over
-    expert_dp and divided by dp (the derivation in the module docstring; 08: cp_dp and cp·dp)."""
-    dense, experts = moe.split_parameters(model)
-    dense_group = grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group
-    replicas = grid.cp_size * grid.dp_size
-
-    def finish_gradients():
-        data_parallel.average_gradients(dense, dense_group)
-        if dist.get_world_size(grid.expert_dp_group) > 1:
-            for p in experts:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
+def sync_gradients(dense, experts, grid):
+    """After the last micro-batch: dense weights averaged over the dp ranks, expert weights summed over
+    expert_dp and divided by dp (the derivation in the module docstring; 08: over cp_dp, / cp·dp)."""
+    data_parallel.average_gradients(dense, grid.cp_dp_group if grid.cp_size > 1 else grid.dp_group)
+    if dist.get_world_size(grid.expert_dp_group) > 1:
         for p in experts:
-            p.grad.div_(replicas)
-    return finish_gradients
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=grid.expert_dp_group)   # (*p.shape)
+    for p in experts:
+        p.grad.div_(grid.cp_size * grid.dp_size)
 
 
 def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None, pp_group=None):

@@ -1,6 +1,6 @@
 """Mixture of experts: the MLP of every decoder layer replaced by E SwiGLU experts and a router.
 
-Playbook §2.7 (EP-1 in the seed digest; Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
+Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
 al. 2021 §2.2; DeepSeek-V3 §2.1.2). For each token x (C,):
 
     p = softmax(x · Wgᵀ)                 (E,)   router probabilities (`mlp.gate`), in float32
@@ -105,17 +105,17 @@ def load_balancing_loss(probs, chosen, stats_group=None):
 
 
 class MoE(nn.Module):
-    """Router + E experts; a drop-in for a DecoderLayer's `mlp` (input and output (B, T, C))."""
+    """Router + E experts; a drop-in for a DecoderLayer's `mlp`: (B, T, C) -> ((B, T, C), α·aux), the
+    layer's output and its α-weighted load-balancing loss, which the model adds to the task loss."""
 
-    def __init__(self, config, num_experts: int, top_k: int):
+    def __init__(self, config, num_experts: int, top_k: int, aux_loss_coef: float = 0.0):
         super().__init__()
-        self.top_k, self.num_experts = top_k, num_experts
+        self.top_k, self.num_experts, self.aux_loss_coef = top_k, num_experts, aux_loss_coef
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)    # the router
         # A dict keyed by the global expert index: under EP a rank keeps a few, under their global names.
         self.experts = nn.ModuleDict({str(e): modeling.MLP(config) for e in range(num_experts)})
         self.experts_fn = run_experts                                      # EP swaps in the all-to-all
         self.stats_group = None             # 08's cp group: the ranks that split each sequence's tokens
-        self.aux_loss = None                                                 # set by every forward
 
     @property
     def act_fn(self):  # kernels/patch.py assigns layers[i].mlp.act_fn: it is every expert's SwiGLU
@@ -133,7 +133,6 @@ class MoE(nn.Module):
         top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
         # (B, T, k): Mixtral's renormalised weights, Σ_k = 1; Switch's raw probability when k = 1
         weights = top_p if self.top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
-        self.aux_loss = load_balancing_loss(probs, chosen, self.stats_group)
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
         counts = expert_of_row.bincount(minlength=self.num_experts)          # (E,)
@@ -142,7 +141,10 @@ class MoE(nn.Module):
             rows = rows.to(torch.get_autocast_dtype(x.device.type))   # before EP ships them (bf16 bytes)
         out = self.experts_fn(self.experts, rows, counts)                    # (n, C), grouped by expert
         out = out[order.argsort()].view(B, T, self.top_k, C)                 # (B, T, k, C), token order
-        return (weights.to(out.dtype).unsqueeze(-1) * out).sum(dim=2)        # (B, T, C)
+        y = (weights.to(out.dtype).unsqueeze(-1) * out).sum(dim=2)           # (B, T, C)
+        if self.aux_loss_coef == 0:
+            return y, 0.0
+        return y, self.aux_loss_coef * load_balancing_loss(probs, chosen, self.stats_group)
 
 
 def moe_blocks(model):
@@ -154,18 +156,6 @@ def split_parameters(model):
     experts = [p for block in moe_blocks(model) for p in block.experts.parameters()]
     expert_ids = {id(p) for p in experts}
     return [p for p in model.parameters() if id(p) not in expert_ids], experts
-
-
-def add_aux_loss(model, aux_loss_coef: float):
-    """Make model(x, labels=y) return cross-entropy + α·Σ_layers aux (a forward hook, so it holds
-    whatever `loss_fn` the model uses: fused, vocab-parallel, ...)."""
-    blocks = moe_blocks(model)
-
-    def hook(module, args, output):
-        if output.dim() != 0 or aux_loss_coef == 0:   # logits (B, T, V) when no labels were given
-            return output
-        return output + aux_loss_coef * sum(block.aux_loss for block in blocks)
-    return model.register_forward_hook(hook)
 
 
 @torch.no_grad()
@@ -187,7 +177,7 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
         dense = layer.mlp
         weight = dense.gate_proj.weight
         with torch.device("meta"):                   # allocate without touching the global RNG
-            block = MoE(config, num_experts, top_k)
+            block = MoE(config, num_experts, top_k, aux_loss_coef)
         block = block.to_empty(device=weight.device).to(weight.dtype)
         for name, p in block.named_parameters():
             if upcycle and name.startswith("experts."):
@@ -197,7 +187,6 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
                                                                      generator=generator))
         block.act_fn = dense.act_fn
         layer.mlp = block
-    add_aux_loss(model, aux_loss_coef)
     return moe_blocks(model)
 
 
@@ -209,3 +198,21 @@ def check_moe(num_experts: int, top_k: int, aux_loss_coef: float):
                          f"(each token picks k different experts)")
     if aux_loss_coef < 0:
         raise ValueError(f"--aux-loss-coef must be non-negative, got {aux_loss_coef}")
+
+
+def add_arguments(parser, num_experts: int = 4):
+    """--num-experts --top-k --aux-loss-coef (08's default is 0 experts: the dense Llama)."""
+    g = parser.add_argument_group("mixture of experts (07)")
+    g.add_argument("--num-experts", type=int, default=num_experts,
+                   help="experts per MoE layer (every layer is MoE; 0 in 08: the dense Llama)")
+    g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to (Mixtral: 2)")
+    g.add_argument("--aux-loss-coef", type=float, default=0.01,
+                   help="α of the per-sequence load-balancing loss added to the cross-entropy (Switch: 0.01)")
+    return g
+
+
+def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int) -> int:
+    """MFU's count for the parameters a token really uses: k experts and the router instead of one MLP,
+    (k−1)·3·C·F + C·E more matmul parameters per layer than the dense model, 6 FLOPs each."""
+    extra = (top_k - 1) * 3 * config.hidden_size * config.intermediate_size + config.hidden_size * num_experts
+    return dense_flops_per_token + 6 * config.num_hidden_layers * extra

@@ -1,6 +1,6 @@
 """ZeRO-1 in the 5D trainer (`--zero-stage 1`): the optimizer states sharded over the data-parallel ranks.
 
-Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"; seed digest C-4, C-6), Megatron-LM's
+Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"), Megatron-LM's
 distributed optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters: its tp
 shards of its stage's layers. The N = cp·dp ranks that hold the same ones (`cp_dp_group`) split them as
 03 does: 03's flat units (the embedding, each decoder layer, the final norm, the head of the stage chunks
@@ -31,7 +31,6 @@ rank's parameters and its optimizer shard; --resume checks the layout, the zero 
 
 New compared with 03: the units are the stages' modules, and the norm follows 04's and 07's rules.
 """
-import dataclasses
 from importlib import import_module
 
 import torch
@@ -77,29 +76,27 @@ class DistributedOptimizer:
                                   divisor=grid.cp_size * grid.dp_size) if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
 
-    def make_optimizer(self, make):
-        """make(params) -> 01's AdamW over every shard; after each step all of them are all-gathered."""
-        optimizer = make([shard for z in self.zeros for shard in z.shards])
-        optimizer.register_step_post_hook(lambda *_: [z.gather_shards() for z in self.zeros])
-        return optimizer
+    @property
+    def shards(self):
+        """What 01's AdamW steps: this rank's pieces of every unit (dense and experts)."""
+        return [shard for z in self.zeros for shard in z.shards]
 
-    def in_plan(self, plan, before_reduction=()):
-        """The TrainPlan with ZeRO-1's gradient path in place of DP's all-reduce and 04's norm."""
-        def forward_backward(model, micro_batches):
-            for z in self.zeros:
-                z.zero_gradients()                  # .grad of every parameter: a view of its unit's buffer
-            return plan.forward_backward(model, micro_batches)
+    def zero_gradients(self):
+        """Before the schedule: the .grad of every parameter becomes a view of its unit's zeroed buffer."""
+        for z in self.zeros:
+            z.zero_gradients()
 
-        def finish_gradients():
-            for sync in before_reduction:           # SP's norm gradients, summed over tp first
-                sync()
-            for z in self.zeros:
-                z.finish_gradients()                # reduce-scatter over the ranks with the same weights
+    def finish_gradients(self):
+        """After the last micro-batch (and SP's norm sum): reduce-scatter over the ranks with the same weights."""
+        for z in self.zeros:
+            z.finish_gradients()
 
-        return dataclasses.replace(plan, forward_backward=forward_backward, finish_gradients=finish_gradients,
-                                   clip_gradients=self.clip_gradients)
+    def gather_shards(self):
+        """After the optimizer step: every rank's updated shards all-gathered into the model."""
+        for z in self.zeros:
+            z.gather_shards()
 
-    def clip_gradients(self, params, max_norm):
+    def clip_gradients(self, max_norm):
         """01's clipping by the whole model's norm (the module docstring's sum), on the shards."""
         grid = self.grid
         squares = torch.stack([self.dense.shard_squares(is_tp_sharded),

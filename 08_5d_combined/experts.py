@@ -1,14 +1,14 @@
 """Mixture of experts and expert parallelism (07) inside the 4D trainer: what pipeline stages change.
 
-Playbook §2.7-2.8; Megatron-core's MoE (its `MoEAuxLossAutoScaler` is the idea of `AttachAuxLoss`).
+Playbook §2.7-2.8; Megatron-core's MoE (its `MoEAuxLossAutoScaler` is the idea of 06's `AttachSideLoss`).
 07 builds the MoE blocks (`moe.apply_moe`), shards the experts over the ep ranks carved out of dp
-(`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`make_finish_gradients`).
+(`expert_parallel.apply_expert_parallel`) and synchronises the gradients (`sync_gradients`).
 What does not carry over to pipeline stages, tensor and context parallelism is done here:
 
-  * the load-balancing loss α·Σ_layers aux is added by a hook on the whole model's forward, which
-    stages never call. Each stage adds its own blocks' aux instead: to the loss on the last stage;
-    on the others through `AttachAuxLoss`, which passes the activations on unchanged and gives aux the
-    gradient 1/m (the 1/m every micro-batch's loss gets), so every router learns as on one device;
+  * the load-balancing loss α·Σ_layers aux: every layer returns its block's share and a stage chunk
+    returns their sum; 06's Pipeline adds it to the loss on the last stage and, on the others, attaches
+    it to the activations sent on (`AttachSideLoss`: gradient 1/m, the 1/m every micro-batch's loss
+    gets), so every router learns as on one device;
   * the logged loss is then the sum over the stages (cross-entropy + the last stage's aux, plus every
     other stage's aux), averaged over the cp×dp replicas;
   * under CP each rank holds T/cp tokens of every sequence, while the load-balancing statistics are
@@ -20,7 +20,7 @@ What does not carry over to pipeline stages, tensor and context parallelism is d
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are not split: every tp rank holds the same input rows, runs the
 same experts and gets the same gradients, like the norm weights (Megatron's expert-TP = 1).
-Gradients under CP (07's `make_finish_gradients` with the cp·dp replicas): the loss is
+Gradients under CP (07's `sync_gradients` with the cp·dp replicas): the loss is
 L = (1/(cp·dp))·Σ_{c,d} L_{c,d}; an expert's owner already holds Σ over its ep group (one cp rank),
 and the cp ranks of one dp rank hold the same experts (`expert_dp` spans dp/ep and cp), so
 ∇L = (1/(cp·dp))·Σ_{expert_dp}: the dense rule (mean over cp·dp) with 07's sum-then-divide.
@@ -40,12 +40,6 @@ from torch import nn
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
-ep_train = import_module("07_expert_parallel.train")
-
-
-def add_arguments(parser):
-    """07's flags, with no experts by default."""
-    ep_train.add_moe_arguments(parser, num_experts=0)
 
 
 def check_experts(args):
@@ -77,46 +71,9 @@ def apply_experts(full, args, grid):
     return blocks
 
 
-class AttachAuxLoss(torch.autograd.Function):
-    """Forward: x unchanged. Backward: x's gradient, and `scale` as the gradient of the scalar aux."""
-
-    @staticmethod
-    def forward(ctx, x, aux, scale):
-        ctx.scale, ctx.aux_dtype = scale, aux.dtype
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.tensor(ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
-
-
-class StageAuxLoss:
-    """Adds α·Σ(the stage's MoE blocks' aux) to every stage chunk's output; `logged` holds the aux of
-    the stages that do not end in the loss, /m, for the step's logged loss."""
-
-    def __init__(self, stages, aux_loss_coef: float, micro_batches: int):
-        self.coef, self.m, self.logged = aux_loss_coef, micro_batches, []
-        for stage in stages:
-            blocks = [layer.mlp for layer in stage.model.layers.values() if isinstance(layer.mlp, moe.MoE)]
-            stage.register_forward_hook(lambda module, args, out, blocks=blocks: self._add(blocks, out))
-
-    def _add(self, blocks, out):
-        if self.coef == 0 or not blocks:
-            return out
-        aux = self.coef * sum(block.aux_loss for block in blocks)              # ()
-        if out.dim() == 0:                  # the last stage: the pipeline divides the whole loss by m
-            return out + aux
-        self.logged.append(aux.detach() / self.m)
-        return AttachAuxLoss.apply(out, aux, 1.0 / self.m)                     # (mbs, T, C)
-
-    def take_logged(self):
-        total, self.logged = sum(float(a) for a in self.logged), []
-        return total
-
-
 def stage_view(stages):
     """A module whose `model.layers` lists this rank's layers and whose parameters are its stages', the
-    shape 07's `split_parameters` and `make_finish_gradients` read."""
+    shape 07's `split_parameters` reads."""
     view = nn.Module()
     view.stages, view.model = stages, nn.Module()
     view.model.layers = nn.ModuleList(layer for stage in stages for layer in stage.model.layers.values())

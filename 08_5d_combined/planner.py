@@ -23,8 +23,7 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
   s_r = s/cp tokens per rank, L_r = layers on the rank, first/last = 1 on that stage):
       tp  m·(8·L_r + 2·first + 2·last)·(t−1)/t·b·s_r·h·e            (04/05: f/f̄ or g/ḡ, same bytes)
           + m·last·3·2(t−1)/t·b·s_r·4 (loss statistics) + SP's norm gradients 2(t−1)/t·(2h·L_r + h·last)·e
-          + full recompute: the forward's half again; ZB-H1 under SP: ḡ's all-gather again in the
-          W of o_proj and down_proj, m·2·L_r·(t−1)/t·b·s_r·h·e
+          + full recompute: the forward's half again (ZB-H1's W passes communicate nothing: 06's zero_bubble.py)
       cp  ring: m·L_r·(3cp − 2 [+ cp − 1 recomputed])·2·b·s_r·(h_kv/t)·max(e, 4)   (05, fp32 blocks)
           ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
           + with experts, the load-balancing statistics (07's moe.py, in fp32 or fp64): all-reduces of
@@ -39,7 +38,7 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
           the dp/ep ranks that hold the same ones, and the logged loss is summed over the stages
       (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
   bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
-  overlap t_comm/t_compute (seed digest §4.2; ≤ 1 means the communication can hide behind compute),
+  overlap t_comm/t_compute (playbook App. 5.3; ≤ 1 means the communication can hide behind compute),
   peak in FLOP/s, bandwidth in bytes/s, so each ratio carries e:
       dp    e·(N−1)/(2·N·tokens)·peak/bw    tokens = b·s_r (the last micro-batch's backward: no_sync)
             E6: the playbook's num_params/(2·num_tokens)·… is dimensionally wrong; num_params cancels
@@ -66,12 +65,14 @@ from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
 
-base = import_module("01_single_gpu.legacy_train")
-memory = base.memory
+cli = import_module("01_single_gpu.cli")
+data = import_module("01_single_gpu.data")
+memory = import_module("01_single_gpu.memory")
+process_grid = import_module("02_data_parallel.process_grid")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
-combined = import_module("08_5d_combined.train")
+layout_rules = import_module("08_5d_combined.layout")
 
 STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}   # weights, gradients, optimizer
 ACTIVATION_BYTES = {"mixed": 2, "fp32": 4, "fp64": 8}
@@ -155,10 +156,6 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     passes = per_layer * layers + 2 * first + 2 * last
     if layout.recompute == "full":
         passes += per_layer // 2 * layers                                    # the forward's collectives again
-    if layout.sp and layout.schedule == "zb-h1":
-        # W goes back from o_proj's / down_proj's output through ḡ's all-gather, which B already ran to
-        # reach the chunk input (the embedding's runs once: B stops at its output, nothing is below it)
-        passes += 2 * layers
     tp = m * passes * ((t - 1) * tokens * h * e // t)
     tp += m * last * 3 * ring(t, tokens * 4)
     if layout.sp:
@@ -197,7 +194,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
 
 
 def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: float, bw: dict) -> dict:
-    """t_comm/t_compute per dimension (seed digest §4.2, E6 and E9 as in the module docstring)."""
+    """t_comm/t_compute per dimension (playbook App. 5.3, errata E6 and E9 as in the module docstring)."""
     h, e = config.hidden_size, ACTIVATION_BYTES[layout.precision]
     h_kv = config.num_key_value_heads * config.head_dim
     n, tokens = layout.dp * layout.cp, mbs * seq_len // layout.cp
@@ -226,7 +223,7 @@ def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -
 
 
 def build_parser():
-    p = combined.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
+    p = layout_rules.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
     g = p.add_argument_group("planner")
     g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
     g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")
@@ -255,14 +252,14 @@ def world_size(n: int):
 
 def main(argv=None):
     parser = build_parser()
-    args = base.cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
+    args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
     layout = layout_of(args)
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
-        config = combined.tp_train.config_of(args)
+        config = cli.model_config(args, data.load_tokenizer(args.tokenizer).vocab_size)   # shapes only
         with world_size(world):
-            combined.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
-        combined.process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
+            layout_rules.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
+        process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
     except ValueError as error:
         parser.error(str(error))
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})

@@ -1,148 +1,81 @@
 """5D parallelism in one trainer: data × tensor (+ sequence) × context × pipeline × expert, with the kernels.
 
 Playbook §2.8 (combining the techniques) and chapter 3 (choosing a layout); Megatron-LM's PTD-P
-(Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1, Fig. 5). Nothing new
-is implemented here: every technique is the earlier folder's module, applied to the seeded full 01
-model from outside, in this order (each step needs the previous one's result):
-
-    1. kernels      --kernels/--attn (kernels/patch.py, inside 01's build_model): swaps norms, SwiGLU,
-                    RoPE, the attention core and the loss for Triton ones
-    2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
-    3. CP           --cp/--cp-layout (05): ring attention (or --cp-attn ulysses) replaces the core
-       MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
-                    (under CP their load-balancing statistics are summed over the cp group)
-    4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
-    5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
-    6. DP           --dp (02): gradients averaged over the cp×dp ranks after the last micro-batch
-                    (with experts, 07's: dense over cp×dp, experts summed over the cp·dp/ep replicas, /(cp·dp))
-       ZeRO-1       --zero-stage 1 (03, via distributed_optimizer.py): instead, reduce-scattered over
-                    those ranks, AdamW on this rank's 1/N of the states, the parameters all-gathered
-
-The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid): tp neighbours fastest, dp slowest.
-What crosses a stage boundary is the residual stream of this rank's tokens, (mbs, T/cp, C), or
-(mbs, T/(cp·tp), C) under SP (06's `boundary_shape`). Every rank logs the last stage's loss, averaged
-over the cp×dp replicas: the mean over the global batch dp·mbs·grad_acc, the same number as 01's.
-The gradient norm sums the tp shards and the pp stages (04's `clip_grad_norm_tp`; experts.py adds the
-experts; under ZeRO-1 the dp shards too). With experts, what pipeline stages change (the load-balancing
-loss) is in experts.py.
+(Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1). Nothing new is
+implemented here: layout.py applies the earlier folders' modules to the seeded full 01 model (TP/SP,
+CP, MoE/EP, PP, recompute), and `train_step` below runs their step: the schedule's passes on this rank's
+tokens, SP's norm sum, the expert or DP or ZeRO-1 reduction over the cp×dp ranks, the norm over every
+shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid). Every rank logs the
+global batch's mean loss, the same number as 01's (07's with experts).
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 --grad-acc 4
-    torchrun --nproc_per_node 4 08_5d_combined/train.py --cp 2 --pp 2 --pp-schedule interleaved --pp-chunks 2 --grad-acc 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
-first rank of each stage per process group, and the bubble of the last step.
-
-Not composed here: ZeRO-2 and -3 (the planner does their arithmetic; `check_zero` says why), and experts
-with --sp (experts.py says why; experts with --cp sum their load-balancing statistics over the cp group).
+first rank of each stage per process group, and the bubble of the last step. Not composed: ZeRO-2/3
+(the planner does their arithmetic; distributed_optimizer.check_zero_stage says why) and experts with --sp.
 """
 import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
 
-import dataclasses
 import functools
 from importlib import import_module
 
-import torch
 import torch.distributed as dist
 
-base = import_module("01_single_gpu.legacy_train")
-memory = base.memory
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+loop = import_module("01_single_gpu.loop")
+memory = import_module("01_single_gpu.memory")
+metrics = import_module("01_single_gpu.metrics")
+optim = import_module("01_single_gpu.optim")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
-tp_train = import_module("04_tensor_parallel.train")
+data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-cp_train = import_module("05_sequence_context_parallel.train")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
-pp_train = import_module("06_pipeline.train")
+timeline = import_module("06_pipeline.timeline")
 moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
-ep_train = import_module("07_expert_parallel.train")
 experts = import_module("08_5d_combined.experts")
 distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
+layout = import_module("08_5d_combined.layout")
 
 
-def build_parser(description=__doc__.splitlines()[0]):
-    p = cp_train.build_parser(description)          # core flags, --tp --dp, --sp --cp --cp-layout --cp-attn
-    pp_train.add_pipeline_arguments(p)              # --pp --pp-schedule --pp-chunks --timeline
-    experts.add_arguments(p)                        # --num-experts --top-k --aux-loss-coef --ep
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
-                   help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp ranks "
-                        "(03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
-    return p
-
-
-def check_layout(args, config):
-    """Every rule of every folder, and the world size dp·pp·cp·tp, before any process group exists."""
-    distributed_optimizer.check_zero_stage(args.zero_stage)
-    check_degrees(args, config)
-
-
-def check_degrees(args, config):
-    """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
-    experts.check_experts(args)
-    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
-                            config.tie_word_embeddings, args.recompute)
-    cp_train.check_layout(args, config, pp=args.pp)  # cp/sp/attention rules, tp divisibility, world size
-
-
-def parallelize(full, args, grid):
-    """Steps 2-5 of the docstring on the full model; returns (stages, norm weights SP must sync)."""
-    cp_train.parallelize(full, args, grid)                                 # 2. TP (+ SP), 3. CP (05)
-    if args.num_experts:                                                   # 3b. MoE, EP (07)
-        experts.apply_experts(full, args, grid)
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)   # 4. PP
-    base.recompute.apply_recompute(full, args.recompute)                   # 5. the stages hold these layers
-    positions = context_parallel.CPLayout(args.cp_layout, args.cp).positions(grid.cp_rank, args.seq_len)
-    for stage in stages:
-        stage.position_ids = positions.to(base.device_of(args))            # (T/cp,) this rank's tokens
-    norm_weights = [p for name, p in stages.named_parameters() if args.sp and name.endswith("norm.weight")]
-    return stages, norm_weights
-
-
-def make_plan(args, grid, stages, pipe, norm_weights, zero1=None):
-    """04's plan (SP's norm all-reduce, then the cp×dp average) with 06's schedule, norm and loss;
-    with experts, 07's gradient synchronisation and experts.py's norm and loss; with ZeRO-1, its
-    reduce-scatter and norm in place of the averaging and the norm."""
-    step = schedules.SCHEDULE_STEPS[args.pp_schedule]
-    positions = stages[0].position_ids
-    aux = experts.StageAuxLoss(stages, args.aux_loss_coef, args.grad_acc) if args.num_experts else None
-
-    def forward_backward(model, micro_batches):            # this rank's T/cp tokens and their labels
-        loss = step(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp)
-        return loss + aux.take_logged() if aux else loss
-
-    sync = [lambda: sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)] if args.sp else []
-    plan = tp_train.make_plan(args, grid, stages, forward_backward=forward_backward, before_averaging=sync)
-    replicas = grid.cp_size * grid.dp_size
-    layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size, "sp": args.sp,
-              "pp_chunks": args.pp_chunks, "ep": grid.ep_size, "num_experts": args.num_experts,
-              "zero_stage": args.zero_stage}                      # --resume: ZeRO-1 saves optimizer shards
-    if aux:
-        view = experts.stage_view(stages)
-        plan = dataclasses.replace(
-            plan, finish_gradients=expert_parallel.make_finish_gradients(view, grid),
-            clip_gradients=functools.partial(experts.clip_grad_norm_experts, grid=grid,
-                                             expert_params=moe.split_parameters(view)[1]),
-            global_loss=functools.partial(experts.sum_over_stages, device=base.device_of(args), grid=grid),
-            flops_per_token=ep_train.moe_flops_per_token(args), layout=layout)   # MFU: the k experts a token uses
-    else:
-        plan = dataclasses.replace(
-            plan,
-            clip_gradients=functools.partial(tensor_parallel.clip_grad_norm_tp, tp_group=grid.tp_group,
-                                             pp_group=grid.pp_group),
-            global_loss=functools.partial(pipeline.broadcast_loss, device=base.device_of(args),
-                                          pp_ranks=grid.pp_ranks, pp_group=grid.pp_group, dp_group=grid.cp_dp_group,
-                                          dp_size=replicas),
-            layout=layout)
-    return zero1.in_plan(plan, before_reduction=sync) if zero1 else plan   # (sync: SP only, never with experts)
+def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, expert_params, grid, args):
+    """The composition of 02-07's steps; returns (global loss, gradient norm)."""
+    optimizer.zero_grad(set_to_none=True)
+    if zero1:
+        zero1.zero_gradients()                       # 03: every .grad a view of its unit's flat buffer
+    params = dense + expert_params
+    positions = pipe.stages[0].position_ids          # (T/cp,) this rank's tokens of every sequence (05)
+    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule; TP/SP/CP/EP inside its passes
+        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](
+            pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
+    if args.sp:                                      # 05: each tp rank's norms saw T/(cp·tp) of the tokens
+        sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)
+    if zero1:                                        # 03: reduce-scatter over cp×dp (experts: expert_dp)
+        zero1.finish_gradients()
+        grad_norm = zero1.clip_gradients(args.grad_clip)
+    elif args.num_experts:                           # 07: dense mean over cp×dp, experts Σ expert_dp / (cp·dp)
+        expert_parallel.sync_gradients(dense, expert_params, grid)
+        grad_norm = experts.clip_grad_norm_experts(params, args.grad_clip, grid, expert_params)
+    else:                                            # 02: mean over the cp×dp replicas
+        data_parallel.average_gradients(params, grid.cp_dp_group)
+        grad_norm = tensor_parallel.clip_grad_norm_tp(params, args.grad_clip, grid.tp_group, grid.pp_group)
+    optimizer.step()
+    if zero1:
+        zero1.gather_shards()                        # 03: the updated shards back into every replica
+    if args.num_experts:                             # every stage holds a share of the loss (its aux)
+        return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group, grid.cp_dp_group,
+                                   grid.cp_size * grid.dp_size), grad_norm
 
 
 def state_bytes(stages, optimizer):
@@ -150,10 +83,6 @@ def state_bytes(stages, optimizer):
     parameter, as large as it, since the loop frees them after each step)."""
     params = [p for p in stages.parameters() if p.requires_grad]
     return memory.tensor_bytes(params), memory.tensor_bytes(params), memory.optimizer_state_bytes(optimizer)
-
-
-def process_grid_peers(grid, dim):
-    return dist.get_process_group_ranks(getattr(grid, f"{dim}_group"))
 
 
 def report(grid, stages, optimizer, meter, activations, steps):
@@ -181,48 +110,57 @@ def report(grid, stages, optimizer, meter, activations, steps):
     return everyone
 
 
-def run(args, config):
+def print_grid(args, grid, config):
+    peers = {dim: dist.get_process_group_ranks(getattr(grid, f"{dim}_group")) for dim in ("tp", "cp", "dp", "ep")}
+    extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts" if args.num_experts
+                                             else "") + (", zero-1" if args.zero_stage == 1 else "")
+    print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
+          f"{peers['tp']}, cp with {peers['cp']}, pp with {list(grid.pp_ranks)}, dp with {peers['dp']}"
+          + (f", ep with {peers['ep']}" if args.num_experts else "") + f"; model {config}")
+
+
+def run(args, config, dataset, grid):
     """Returns (records, stages, pipe, everyone's measured states and communication)."""
-    grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep)
-    _, dataset = base.load_data(args)
-    device = base.device_of(args)
-    full = base.build_model(args, config)                  # 1. every rank: the same seeded model, kernels applied
-    stages, norm_weights = parallelize(full, args, grid)
-    stages.to(device)
+    device = build.device_of(args)
+    full = build.build_model(args, config)                 # 1. every rank: the same seeded model, kernels applied
+    stages, norm_weights = layout.parallelize(full, args, grid, device)   # 2-5. TP/SP, CP, MoE/EP, PP, recompute
     del full                                               # the other stages' layers are freed
     zero1 = distributed_optimizer.DistributedOptimizer(stages, grid, experts.stage_view(stages) if args.num_experts
                                                        else None) if args.zero_stage == 1 else None   # 6. ZeRO-1
-    make_optimizer = functools.partial(base.make_optimizer, args=args)
-    optimizer = zero1.make_optimizer(make_optimizer) if zero1 else make_optimizer(stages.parameters())
+    optimizer = optim.make_optimizer(zero1.shards if zero1 else stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, base.param_dtype(args), device)                      # (mbs, T/cp[/tp], C)
-    pipe = schedules.Pipeline(stages, p2p)
-    plan = make_plan(args, grid, stages, pipe, norm_weights, zero1)                # 6. DP inside
-    element = 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=base.param_dtype(args)).element_size()
+                       shape, build.param_dtype(args), device)                     # (mbs, T/cp[/tp], C)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
+                              split_backward=args.pp_schedule == "zb-h1")
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
-    per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len, element, args.recompute,
+    per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
+                                                       build.activation_element_bytes(args), args.recompute,
                                                        tp=args.tp, sp=args.sp, cp=args.cp)
     activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
-    if plan.is_logging_rank:
-        extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts"
-                                                 if args.num_experts else "") + (", zero-1" if zero1 else "")
-        peers = {dim: process_grid_peers(grid, dim) for dim in ("tp", "cp", "dp", "ep")}
-        print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
-              f"{peers['tp']}, cp with {peers['cp']}, pp with {list(grid.pp_ranks)}, dp with {peers['dp']}"
-              + (f", ep with {peers['ep']}" if args.num_experts else "") + f"; model {config}")
+    if grid.rank == 0:
+        print_grid(args, grid, config)
+    flops = metrics.flops_per_token(config, args.seq_len)
+    if args.num_experts:                                   # MFU: the k experts a token uses (07)
+        flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k)
+    checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
+                         "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
+                         "num_experts": args.num_experts, "zero_stage": args.zero_stage}
+    dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
+    step = functools.partial(train_step, pipe, optimizer, zero1=zero1, norm_weights=norm_weights, dense=dense,
+                             expert_params=expert_params, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
-        records = base.train(args, stages, optimizer, plan, dataset, config)
-    if plan.is_logging_rank and records:
-        print(f"final loss {records[-1]['loss']:.4f} after {records[-1]['step']} steps")
+        records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid, layout=checkpoint_layout)
     everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1))
     if grid.pp_size > 1:
-        pp_train.report_timeline(args, grid, pipe)         # measured, replayed and theory bubble
+        timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble
     return records, stages, pipe, everyone
 
 
 def main(argv=None):
-    return run(*tp_train.parse_and_check(argv, __doc__.splitlines()[0], build_parser, check_layout))[0]
+    args, config, dataset = cli.setup(layout.build_parser(__doc__.splitlines()[0]), argv, layout.check_layout)
+    with process_grid.distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep) as grid:
+        return run(args, config, dataset, grid)
 
 
 if __name__ == "__main__":

@@ -17,3 +17,11 @@ def single_device_run(*extra, **kw):
     """(losses per step, final state dict) of 01_single_gpu for the same flags."""
     records, model = import_module("01_single_gpu.train").main(argv(*extra, **kw))
     return [r["loss"] for r in records], {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def single_device_reference(*extra, **kw):
+    """(losses, gradient norms, final state dict) of 01_single_gpu for the same flags. The norms matter:
+    with the clip active, a gradient off by a constant factor leaves losses and parameters unchanged."""
+    records, model = import_module("01_single_gpu.train").main(argv(*extra, **kw))
+    return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
+            {k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -1,4 +1,4 @@
-"""08_5d_combined: whole 4D runs against 01, the planner against the seed's numbers and the code's.
+"""08_5d_combined: whole 4D runs against 01, the planner against the papers' numbers and the code's.
 
 Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
@@ -32,10 +32,10 @@ rounding order), and AdamW steps the same elements (a cp2 × dp2 run with grad-a
 amplified outlier too, 2.6e-5 on one v_proj weight of 512; in float64 it agrees to 1e-8). The norms
 (1.4, then 2.2) are above --grad-clip 1, so clipping by the ZeRO-1 norm is exercised.
 
-Layout: Llama 3's 16-rank grid (seed digest C-2) from 02's pure layout function and 06's pipelines;
+Layout: Llama 3's 16-rank grid (playbook §4.1) from 02's pure layout function and 06's pipelines;
 every bad layout stops with the earlier folders' messages before any process group exists.
 
-Planner: (a) the seed's anchors (seed digest §2.6: ZeRO's 7.5B example, the Korthikanti activations of
+Planner: (a) the published anchors (ZeRO's 7.5B example, the Korthikanti activations of
 GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
 each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
 CommMeter equal the planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
@@ -66,7 +66,9 @@ modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
 pipeline = import_module("06_pipeline.pipeline")
 timeline = import_module("06_pipeline.timeline")
+cli = import_module("01_single_gpu.cli")
 combined = import_module("08_5d_combined.train")
+layout_rules = import_module("08_5d_combined.layout")
 planner = import_module("08_5d_combined.planner")
 
 STEPS = 2
@@ -92,14 +94,12 @@ def _train(flag_sets):
     results = []
     for extra, mbs, grad_acc, dtype, _ in flag_sets:
         if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
-            if torch.distributed.get_rank() == 0:   # before parsing, which picks the checkpoint to resume
-                shutil.rmtree(os.path.join(extra[extra.index("--checkpoint-dir") + 1], f"step_{STEPS:06d}"))
+            if torch.distributed.get_rank() == 0:
+                checkpoint_dir = extra[extra.index("--checkpoint-dir") + 1]
+                shutil.rmtree(os.path.join(checkpoint_dir, f"step_{STEPS:06d}"))
             torch.distributed.barrier()
-        args = combined.base.cli.parse_args(combined.build_parser(),
-                                            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
-        config = combined.tp_train.config_of(args)
-        combined.check_layout(args, config)
-        records, stages, pipe, everyone = combined.run(args, config)
+        records, stages, pipe, everyone = combined.main(
+            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
         mine = everyone[torch.distributed.get_rank()]
         sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
                 for dim, groups in GROUPS.items()}
@@ -113,14 +113,12 @@ def _train(flag_sets):
 def _check(flag_sets, per_rank):
     for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
-        args = combined.base.cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
-                                            files=False)   # the planner's view: the checkpoints are not read
-        layout, config = planner.layout_of(args), combined.tp_train.config_of(args)
-        if layout.num_experts:   # 07's single-device MoE (no process group: RANK is not set here)
-            moe_train = import_module("07_expert_parallel.train")
-            ref_args = moe_train.cli.parse_args(moe_train.build_parser("reference"), common.argv(
+        args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
+                              files=False)   # the planner's view: the checkpoints are not read
+        layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
+        if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
+            records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
                 "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
-            records, model, _ = moe_train.run(ref_args)
             ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
             ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
@@ -235,10 +233,10 @@ def test_llama3_sixteen_rank_groups():
 
 
 def _check_layout(*flags, world):
-    args = combined.base.cli.parse_args(combined.build_parser(), common.argv(*flags))
+    args = cli.parse_args(layout_rules.build_parser("test"), common.argv(*flags))
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        combined.check_layout(args, combined.tp_train.config_of(args))
+        layout_rules.check_layout(args, cli.model_config(args, 257))
     finally:
         del os.environ["WORLD_SIZE"]
 
@@ -248,7 +246,6 @@ def _check_layout(*flags, world):
     (("--pp", 3), 3, r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"),
     (("--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--grad-acc", 3), 2, r"multiple of pp=2, got 3"),
     (("--pp", 2, "--tie-embeddings"), 2, r"--tie-embeddings with --pp > 1"),
-    (("--pp", 2, "--pp-schedule", "zb-h1", "--recompute", "full"), 2, r"zb-h1 .* full recomputation"),
     (("--tp", 3, "--pp", 2), 6, r"tp=3 does not divide num_attention_heads=4"),
     (("--tp", 4, "--pp", 2), 8, r"tp=4 does not divide num_key_value_heads=2"),
     (("--sp", "--pp", 2), 2, r"--sp .* needs --tp 2 or more"),
@@ -273,8 +270,8 @@ def test_bad_layouts_fail_before_any_process_group(flags, world, message):
 def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
     """--init-from a dense checkpoint copies its MLPs into the experts, which TP would already have split."""
     hf_io = import_module("01_single_gpu.hf_io")
-    args = combined.base.cli.parse_args(combined.build_parser(), common.argv())
-    hf_io.save_hf(combined.base.build_model(args, combined.tp_train.config_of(args)), tmp_path)
+    args = cli.parse_args(layout_rules.build_parser("test"), common.argv())
+    hf_io.save_hf(import_module("01_single_gpu.build").build_model(args, cli.model_config(args, 257)), tmp_path)
     with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
         _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)
 
@@ -300,10 +297,10 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
 
 
 # ======================================================================================
-# The planner against the seed's numbers
+# The planner against the published numbers
 # ======================================================================================
 def test_planner_zero_paper_example():
-    """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB (seed digest §2.6.4)."""
+    """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
     gb = [sum(planner.model_states(7.5e9, 64, stage)) / 1e9 for stage in range(4)]
     assert gb == pytest.approx([120.0, 31.41, 16.64, 1.875], abs=0.01)
     assert sum(planner.model_states(7.5e9, 64, 0, "fp32")) == 16 * 7.5e9     # 4 + 4 + 8: this project's fp32
@@ -318,8 +315,9 @@ def gpt3_layer_activations(tp=1, sp=False, recompute="none"):
 
 
 def test_planner_korthikanti_activations():
-    """Seed digest §2.6.5: sbh(34 + 5as/h) = 2.869 GB; with t = 8: TP 579 MB, TP+SP 359 MB, TP+SP+selective
-    34·sbh/t = 106.95 MB; full recomputation 2sbh = 50.3 MB."""
+    """Korthikanti et al. for GPT-3 (s 2048, b 1, h 12288, a 96): sbh(34 + 5as/h) = 2.869 GB; with t = 8:
+    TP 579 MB, TP+SP 359 MB, TP+SP+selective 34·sbh/t = 106.95 MB; full recomputation 2sbh = 50.3 MB (the
+    GPT-175B talk's "2.86 GB → 106 MB per layer")."""
     assert gpt3_layer_activations() / 1e9 == pytest.approx(2.869, abs=5e-4)
     assert gpt3_layer_activations(tp=8) / 1e6 == pytest.approx(579, abs=0.5)
     assert gpt3_layer_activations(tp=8, sp=True) / 1e6 == pytest.approx(359, abs=0.5)
@@ -328,7 +326,7 @@ def test_planner_korthikanti_activations():
 
 
 def test_planner_bubble_table_p8():
-    """Seed digest §2.6.9: (p−1)/(m·v) for p = 8, and the planner prints it."""
+    """Megatron-LM §2.2: the bubble (p−1)/(m·v) for p = 8, and the planner prints it."""
     table = {(1, 1): 7.0, (8, 1): 0.875, (8, 2): 0.4375, (16, 1): 0.4375, (32, 1): 0.219, (32, 2): 0.109,
              (32, 4): 0.0547, (64, 1): 0.109}
     for (m, v), bubble in table.items():

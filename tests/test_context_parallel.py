@@ -24,7 +24,7 @@ import common
 from harness import run_ranks
 from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, reference, shard_like, train_layouts
 
-base = import_module("01_single_gpu.legacy_train")   # until 05 is a leaf
+cli = import_module("01_single_gpu.cli")
 modeling = import_module("01_single_gpu.model")
 memory = import_module("01_single_gpu.memory")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -82,15 +82,19 @@ def check_models(tp_grid, cp_grid):
     loss.backward()
     sequence_parallel.all_reduce_norm_gradients(norms, tp_grid.tp_group)
     torch.testing.assert_close(loss, dense(x, labels=y), **EXACT)
-    for (name, p), want in zip(sp.named_parameters(), dense.parameters()):
+    for (name, p), want in zip(sp.named_parameters(), dense.parameters(), strict=True):
         torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size), **EXACT, msg=name)
     for kind in context_parallel.LAYOUTS:
         layout = context_parallel.CPLayout(kind, cp_grid.cp_size)
         cp = context_parallel.apply_context_parallel(copy.deepcopy(dense), layout, cp_grid.cp_group)
         cp.zero_grad()
         pos = layout.positions(cp_grid.cp_rank, T)
-        cp(x[:, pos], labels=y[:, pos], position_ids=pos).backward()
-        for (name, p), want in zip(cp.named_parameters(), dense.parameters()):
+        cp_loss = cp(x[:, pos], labels=y[:, pos], position_ids=pos)
+        cp_loss.backward()
+        total = cp_loss.detach().clone()     # every rank holds T/cp tokens, none ignored: the mean of the means
+        torch.distributed.all_reduce(total, group=cp_grid.cp_group)
+        torch.testing.assert_close(total / cp_grid.cp_size, dense(x, labels=y), **EXACT)
+        for (name, p), want in zip(cp.named_parameters(), dense.parameters(), strict=True):
             torch.distributed.all_reduce(p.grad, group=cp_grid.cp_group)   # mean over the cp ranks' tokens
             torch.testing.assert_close(p.grad / cp_grid.cp_size, want.grad, **EXACT, msg=name)
 
@@ -142,7 +146,7 @@ def measure(tp_grid, cp_grid, solo_grid):
         h = torch.randn(B, T // (2 if name == "sp" else 1), C, requires_grad=True)
         cos, sin = model.model.rotary(torch.arange(T), torch.float32)
         with comm.CommMeter(tp_grid.group_names()) as forward:
-            z = model.model.layers[0](h, cos, sin)
+            z, _ = model.model.layers[0](h, cos, sin)
         with comm.CommMeter(tp_grid.group_names()) as backward:
             z.sum().backward()
         out[name, "comm"] = [(dict(m.calls), dict(m.payload), m.total_wire()) for m in (forward, backward)]
@@ -236,14 +240,21 @@ def test_ring_posts_each_step_send_and_receive_as_one_batch(measured):
 
 
 def tile_counts():
+    """Query·key scores each rank's ring attention computes, counted at every tile it really runs."""
     grid = process_grid.build_process_grid(cp=4)
-    counts = {}
+    counts, scores = {}, []
+    inner = context_parallel.tile_forward
+
+    def counted(q, k, v, causal):
+        scores.append(q.shape[2] * k.shape[2])
+        return inner(q, k, v, causal)
+    context_parallel.tile_forward = counted          # in this spawned rank only
     for kind in context_parallel.LAYOUTS:
-        layout = context_parallel.CPLayout(kind, 4)
-        attn = context_parallel.RingAttention(layout, grid.cp_group)
+        scores.clear()
+        attn = context_parallel.RingAttention(context_parallel.CPLayout(kind, 4), grid.cp_group)
         q = torch.randn(1, 2, 32 // 4, 4)
         attn(q, q[:, :1], q[:, :1])
-        counts[kind] = attn.scores_computed
+        counts[kind] = sum(scores)
     return counts
 
 
@@ -291,10 +302,10 @@ def test_four_rank_layouts_equal_single_device():
 
 
 def _check(*flags, world):
-    args = base.cli.parse_args(cp_train.build_parser("t"), common.argv(*flags))
+    args = cli.parse_args(cp_train.build_parser(), common.argv(*flags))
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        cp_train.check_layout(args, cp_train.tp_train.config_of(args))
+        cp_train.check_layout(args, cli.model_config(args, 257))       # the byte tokenizer's vocabulary
     finally:
         del os.environ["WORLD_SIZE"]
 

@@ -45,7 +45,7 @@ def test_bad_layout_fails_before_any_process_group(monkeypatch, capsys):
     train02 = import_module("02_data_parallel.train")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(SystemExit):
-        train02.parse_and_check(common.argv("--dp", 3), "test")
+        train02.main(common.argv("--dp", 3))
     assert "launch with --nproc_per_node 3" in capsys.readouterr().err
     assert not dist.is_initialized()
 
@@ -79,6 +79,7 @@ def test_two_plain_runs_at_once_both_initialise():
     finally:
         for run in runs:
             run.communicate(timeout=60)   # closes stdin: the run lets go and exits
+            assert run.returncode == 0
 
 
 def _average_gradients_rank():
@@ -101,13 +102,12 @@ def _all_modes_rank(steps, grad_acc):
     train02 = import_module("02_data_parallel.train")
     out = {}
     for mode in MODES:
-        args = train02.parse_and_check(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
-                                                   steps=steps, mbs=1, grad_acc=grad_acc), "test")
-        records, model, ddp, meter = train02.run(args)
-        out[mode] = dict(losses=[r["loss"] for r in records],
+        records, model, ddp, meter = train02.main(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
+                                                             steps=steps, mbs=1, grad_acc=grad_acc))
+        out[mode] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                          state={k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()},  # numpy:
                          # pickled by value (many tensors through the result queue exhaust shared-memory handles)
-                         wire=dict(meter.wire), calls=dict(meter.calls), events=list(ddp.events),
+                         wire=dict(meter.wire), calls=dict(meter.calls), events=list(ddp.step_events),
                          grad_bytes=sum(p.numel() * p.element_size() for p in ddp.params),
                          n_grads=len(ddp.params), n_buckets=len(getattr(ddp, "buckets", ddp.params)))
     return out
@@ -116,10 +116,11 @@ def _all_modes_rank(steps, grad_acc):
 def test_every_mode_matches_single_device_and_the_wire_formula():
     """dp 4 × mbs 1 × grad_acc 2 == 01 with mbs 4 × grad_acc 2, for naive, overlap and bucket.
 
-    Losses to 1e-5 and parameters to 1e-5 after 2 steps (fp32): the ranks sum four partial
-    gradients in a different order than one device does, which changes the last bits (~1e-7
-    relative); AdamW's m/√v can amplify that for gradients near zero, hence 1e-5, far below any
-    real error (a missing 1/N or a skipped micro-batch changes the loss in the 3rd digit).
+    Losses to 1e-5, gradient norms to 1e-5 relative and parameters to 1e-5 after 2 steps (fp32): the
+    ranks sum four partial gradients in a different order than one device does, which changes the last
+    bits (~1e-7 relative); AdamW's m/√v can amplify that for gradients near zero, hence 1e-5, far below
+    any real error. A missing 1/N shows in the norm only (×4): with the clip active, gradients scaled by
+    a constant give the same AdamW update, so losses and parameters alone would not see it.
 
     Bytes: per rank per step the gradients cross the wire once as an all-reduce,
     2(N−1)/N·Ψ, plus the logged loss (one fp32 scalar); counted exactly. Calls: one per gradient
@@ -127,12 +128,13 @@ def test_every_mode_matches_single_device_and_the_wire_formula():
     Overlap: a collective was launched before the last gradient of backward was produced.
     """
     steps, grad_acc, n = 2, 2, 4
-    ref_losses, ref_state = common.single_device_run(steps=steps, mbs=n, grad_acc=grad_acc)
+    ref_losses, ref_norms, ref_state = common.single_device_reference(steps=steps, mbs=n, grad_acc=grad_acc)
     results = run_ranks(_all_modes_rank, n, args=(steps, grad_acc))
     for mode in MODES:
         for rank, out in enumerate(results):
             got = out[mode]
             torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"{mode} rank {rank}")
+            torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=f"{mode} rank {rank} norms")
             for name, ref in ref_state.items():
                 torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
             psi, loss_bytes = got["grad_bytes"], 4

@@ -142,7 +142,8 @@ def test_pipeline_stage_uses_the_scaled_frequencies():
     inputs, labels = ids[:, :-1], ids[:, 1:]
     with torch.no_grad():
         stage = pipeline.build_stages(full, pp_rank=0, pp_size=1)[0]
-        assert torch.equal(stage(inputs, labels), full(inputs, labels))
+        loss, aux = stage(inputs, labels)
+        assert aux == 0.0 and torch.equal(loss, full(inputs, labels))
         unscaled = modeling.LlamaForCausalLM(dataclasses.replace(config, rope_scaling=None)).double()
         unscaled.load_state_dict(full.state_dict())
         assert abs(unscaled(inputs, labels) - full(inputs, labels)) > 1e-3

@@ -165,13 +165,15 @@ class LargestTensor(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self.numel, self.shape = 0, None
+        self.numel, self.shape, self.shapes = 0, None, set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
-                self.numel, self.shape = t.numel(), tuple(t.shape)
+            if isinstance(t, torch.Tensor):
+                self.shapes.add(tuple(t.shape))
+                if t.numel() > self.numel:
+                    self.numel, self.shape = t.numel(), tuple(t.shape)
         return out
 
 
@@ -188,6 +190,7 @@ def test_fused_cross_entropy_never_materialises_logits():
         flce.fused_linear_cross_entropy(h, w, t, chunk=chunk).backward()
     assert eager.shape == (N, V)
     assert fused.shape == (V, C) and fused.numel < N * V and chunk * V <= fused.numel
+    assert (chunk, V) in fused.shapes and (N, V) not in fused.shapes      # slabs of logits, never all of them
 
 
 # === flash attention ===

@@ -26,7 +26,8 @@ from torch import nn
 import common
 from harness import run_ranks
 
-base = import_module("01_single_gpu.legacy_train")   # until 04 is a leaf
+cli = import_module("01_single_gpu.cli")
+data = import_module("01_single_gpu.data")
 modeling = import_module("01_single_gpu.model")
 hf_io = import_module("01_single_gpu.hf_io")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -60,14 +61,10 @@ def reference(*extra, **kw):
 
 
 def train_layouts(layouts, steps=3):
-    """On every rank: run NN/train.py's run() for each (module, flags); losses, norms, state dicts."""
+    """On every rank: run NN/train.py's main() for each (module, flags); losses, norms, state dicts."""
     results = []
     for module, extra in layouts:
-        train = import_module(module)
-        args = base.cli.parse_args(train.build_parser("test"), common.argv(*extra, steps=steps))
-        config = tp_train.config_of(args)
-        train.check_layout(args, config)
-        records, model = train.run(args, config)
+        records, model = import_module(module).main(common.argv(*extra, steps=steps))[:2]
         results.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],   # numpy: pickled
                         {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}))  # by value
     return results
@@ -97,7 +94,7 @@ def _twin_grads(out, dense_out, inputs, params, dense_params, rank, size):
     dense_out.backward(upstream)
     for x, dense_x in inputs:
         torch.testing.assert_close(x.grad, dense_x.grad, **EXACT)
-    for p, dense_p in zip(params, dense_params):
+    for p, dense_p in zip(params, dense_params, strict=True):
         torch.testing.assert_close(p.grad, shard_like(dense_p.grad, p.grad, rank, size), **EXACT)
 
 
@@ -142,7 +139,9 @@ def check_layers():
         dense_x = _leaf(x)
         params = [p for _, p in sorted(mod.named_parameters())]
         dense_params = [p for _, p in sorted(dense_mod.named_parameters())]
-        _twin_grads(mod(x, *args), dense_mod(dense_x, *args), [(x, dense_x)], params, dense_params, rank, size)
+        first = lambda out: out[0] if isinstance(out, tuple) else out   # noqa: E731  (a layer: (x, aux 0.0))
+        _twin_grads(first(mod(x, *args)), first(dense_mod(dense_x, *args)), [(x, dense_x)], params, dense_params,
+                    rank, size)
     labels = torch.randint(0, V, (B, T))
     labels[0, :3] = -100                                  # ignored positions are skipped by both
     hidden = _leaf(torch.randn(B, T, C))
@@ -176,7 +175,7 @@ def measure_communication():
     cos, sin = model.model.rotary(torch.arange(T), torch.float32)
     meters = {}
     with comm.CommMeter(grid.group_names()) as meters["layer_forward"]:
-        y = model.model.layers[0](x, cos, sin)
+        y, _ = model.model.layers[0](x, cos, sin)
     with comm.CommMeter(grid.group_names()) as meters["layer_backward"]:
         y.sum().backward()
     ids = torch.randint(0, 64, (B, T + 1))
@@ -226,8 +225,8 @@ def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tmp_path):
     is the same again. Then tp 2 started from an HF-format directory (--init-from) with tied
     embeddings: the full checkpoint is loaded on every rank and sliced, and the tied vocab-parallel
     embedding and head share one (V/t, C) shard."""
-    config = base.cli.model_config(base.cli.parse_args(base.cli.core_parser("t"), common.argv("--tie-embeddings")),
-                                   import_module("01_single_gpu.data").ByteTokenizer().vocab_size)
+    config = cli.model_config(cli.parse_args(cli.core_parser("t"), common.argv("--tie-embeddings")),
+                              data.ByteTokenizer().vocab_size)
     torch.manual_seed(7)
     hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp_path / "hf")
     init, ckpt = ("--init-from", str(tmp_path / "hf")), str(tmp_path / "ckpt")
@@ -249,11 +248,11 @@ def test_tp4_and_dp2_tp2_equal_single_device():
 
 
 def _check(*flags, world=None):
-    args = base.cli.parse_args(tp_train.build_parser("t"), common.argv(*flags))
+    args = cli.parse_args(tp_train.build_parser(), common.argv(*flags))
     import os
     os.environ["WORLD_SIZE"] = str(world or args.tp * args.dp)
     try:
-        tp_train.check_layout(args, tp_train.config_of(args))
+        tp_train.check_layout(args, cli.model_config(args, data.ByteTokenizer().vocab_size))
     finally:
         del os.environ["WORLD_SIZE"]
 

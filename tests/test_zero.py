@@ -14,6 +14,8 @@ import torch
 import common
 from harness import run_ranks
 
+zero_mod = import_module("03_zero.zero")
+
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
 STAGES = (1, 2, 3)
 
@@ -23,11 +25,9 @@ def _zero_rank(stages, steps, grad_acc, extra=()):
     zero_train = import_module("03_zero.train")
     out = {}
     for stage in stages:
-        args = zero_train.dp_train.parse_and_check(
-            common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps,
-                        mbs=1, grad_acc=grad_acc),
-            "test", zero_train.build_parser, zero_train.check_layout)
-        records, zero, model, optimizer, meter = zero_train.run(args)
+        records, zero, model, optimizer, meter = zero_train.main(
+            common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps, mbs=1,
+                        grad_acc=grad_acc))
         events = list(zero.events)                  # the last step's, before full_state_dict gathers
         out[stage] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                           state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},  # numpy:
@@ -35,7 +35,7 @@ def _zero_rank(stages, steps, grad_acc, extra=()):
                           wire=dict(meter.wire), calls=dict(meter.calls), events=events,
                           held=zero.model_state_bytes(model, optimizer), padded_bytes=zero.padded_bytes,
                           unpadded_bytes=sum(p.numel() * 4 for p in model.parameters()), units=len(zero.units),
-                          expected_held=zero_train.expected_state_bytes(stage, args.dp, zero.padded_bytes))
+                          expected_held=zero_mod.expected_state_bytes(stage, world_size(), zero.padded_bytes))
     return out
 
 
@@ -77,34 +77,38 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
     Bytes, exact, per rank: reduce-scatter + all-gather wire = 2, A+1, 3A × (N−1)/N · Ψ for stages
     1, 2, 3 with A = 2 micro-batches (Ψ = padded flat bytes), and the two fp32 scalar all-reduces
     (norm, loss). Held: parameters/gradients/optimizer = 4Ψ/4Ψ/8Ψ/N, 4Ψ/4Ψ/N/8Ψ/N, 4Ψ/N/4Ψ/N/8Ψ/N.
-    Overlap: stage 2-3 reduce-scatters are issued from the gradient hooks, head first (before the
-    embedding's gradient exists); stage 3 issues unit k+1's all-gather before unit k runs.
+    Overlap: stage 2-3 reduce-scatters are issued from the gradient hooks, head first: within one
+    micro-batch, the head's reduce-scatter comes before the embedding's gradient exists; stage 3 issues
+    unit k+1's all-gather before unit k runs. Every rank is checked.
     """
     steps, grad_acc, n = 2, 2, 4
     results = run_ranks(_zero_rank, n, args=(STAGES, steps, grad_acc))
     check_against_single(results, steps, grad_acc, n, STAGES)
     scalar_wire = 2 * (n - 1) * 4 // n
-    for stage in STAGES:
-        got = results[0][stage]
+    for stage, (rank, out) in ((stage, r) for stage in STAGES for r in enumerate(results)):
+        got, what = out[stage], f"ZeRO-{stage} rank {rank}"
         psi = got["padded_bytes"]
-        assert psi > got["unpadded_bytes"] and psi % (4 * n) == 0          # padding really happened
+        assert psi > got["unpadded_bytes"] and psi % (4 * n) == 0, what     # padding really happened
         ring = (n - 1) * psi // n
         times = {1: 2, 2: grad_acc + 1, 3: 3 * grad_acc}[stage]
         assert got["wire"][("reduce_scatter", "dp")] + got["wire"][("all_gather", "dp")] == steps * times * ring
-        assert got["wire"][("all_reduce", "dp")] == steps * 2 * scalar_wire
-        assert got["calls"][("all_reduce", "dp")] == steps * 2
+        assert got["wire"][("all_reduce", "dp")] == steps * 2 * scalar_wire, what
+        assert got["calls"][("all_reduce", "dp")] == steps * 2, what
         assert got["held"] == got["expected_held"] == {
             1: (psi, psi, 2 * psi // n), 2: (psi, psi // n, 2 * psi // n), 3: (psi // n, psi // n, 2 * psi // n)}[stage]
-        if stage > 1:   # events of the last step's last micro-batch
-            scatters = [u for kind, u in got["events"] if kind == "reduce_scatter"]
-            assert scatters[-got["units"]:] == list(reversed(range(got["units"])))
+        if stage > 1:   # the last step's events; its first micro-batch runs until the second's first gradient
+            events, units = got["events"], got["units"]
+            scatters = [u for kind, u in events if kind == "reduce_scatter"]
+            assert scatters[-units:] == list(reversed(range(units))), what
+            first = events[:events.index(("reduce_scatter", units - 1), events.index(("reduce_scatter", 0)))]
+            assert first.index(("reduce_scatter", units - 1)) < max(
+                i for i, e in enumerate(first) if e == ("grad", 0)), f"{what}: no overlap with backward"
     events = results[0][3]["events"]
     units = results[0][3]["units"]
     assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc   # forward + backward
     forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]   # first micro-batch's forward
     for k in range(units - 1):
         assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
-    assert events.index(("reduce_scatter", units - 1)) < max(i for i, e in enumerate(events) if e == ("backward", 0))
 
 
 def test_zero3_dp2_with_full_recompute():
@@ -126,11 +130,10 @@ def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
     import pytest
     import torch.distributed as dist
     zero_train = import_module("03_zero.train")
-    parse = zero_train.dp_train.parse_and_check
     monkeypatch.setenv("WORLD_SIZE", "4")
     for flags, message in ((("--dp", 2), "launch with --nproc_per_node 2"),
                            (("--dp", 4, "--zero-stage", 3, "--tie-embeddings"), "drop --tie-embeddings")):
         with pytest.raises(SystemExit):
-            parse(common.argv(*flags), "test", zero_train.build_parser, zero_train.check_layout)
+            zero_train.main(common.argv(*flags))
         assert message in capsys.readouterr().err
     assert not dist.is_initialized()

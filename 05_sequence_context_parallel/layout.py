@@ -1,0 +1,56 @@
+"""05's flags, their rules and the order of its transforms: TP (+ SP) first, then CP (picotron's order).
+
+Playbook §2.4–2.5. Shared by 05's train.py and 08's composition, so both apply sequence and context
+parallelism the same way:
+
+    --sp         sequence_parallel.py: 04's TP with the norm regions sharded along T (needs --tp 2+)
+    --cp-layout  context_parallel.py: which chunks of every sequence each cp rank holds
+    --cp-attn    ring (context_parallel.py) or ulysses (ulysses.py) attention across the cp ranks
+
+`check_sequence_layout` raises every rule's error before any process group exists; `parallelize` applies
+the transforms to the seeded full model in place and returns the norm weights whose gradients SP sums over tp.
+"""
+from importlib import import_module
+
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
+context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+ulysses = import_module("05_sequence_context_parallel.ulysses")
+
+
+def add_arguments(parser):
+    """--sp --cp-layout --cp-attn (the degree --cp is process_grid's)."""
+    g = parser.add_argument_group("sequence and context parallelism (05)")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm regions (needs --tp 2+)")
+    g.add_argument("--cp-layout", choices=context_parallel.LAYOUTS, default="zigzag",
+                   help="which chunks of the sequence each cp rank holds")
+    g.add_argument("--cp-attn", choices=["ring", "ulysses"], default="ring",
+                   help="attention across the cp ranks: K/V ring or all-to-all over heads")
+    return g
+
+
+def check_sequence_layout(args, config):
+    """The CP, SP and attention rules (the world size is the trainer's check)."""
+    context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
+    if args.sp:
+        sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
+    if args.cp > 1 and args.cp_attn == "ring" and args.attn != "sdpa":
+        raise ValueError(f"--cp-attn ring computes attention block by block itself, so --attn {args.attn} would "
+                         "be ignored: drop --attn, or use --cp-attn ulysses (which wraps the --attn core)")
+    if args.cp_attn == "ulysses":
+        tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
+        ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp, args.cp)
+
+
+def parallelize(model, args, grid):
+    """TP (+ SP), then CP, in place. Returns the norm weights SP keeps replicated, whose gradients must be
+    summed over tp (each tp rank's norms saw T/tp of the tokens)."""
+    norm_weights = []
+    if args.sp:
+        norm_weights = sequence_parallel.apply_sequence_parallel(model, grid)
+    elif grid.tp_size > 1:
+        tensor_parallel.apply_tensor_parallel(model, grid)
+    if grid.cp_size > 1:
+        apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
+        apply(model, context_parallel.CPLayout(args.cp_layout, grid.cp_size), grid.cp_group)
+    return norm_weights

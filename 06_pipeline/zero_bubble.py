@@ -1,0 +1,121 @@
+"""Zero Bubble's backward split: B computes dX = dY·W at once, W runs dW = dYᵀ·X later.
+
+Qi et al. 2023, "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241) §2 and Megatron-LM's
+`WeightGradStore`; playbook §2.6 (zero bubble). For a linear layer Y = X·Wᵀ the backward is two
+independent matmuls:
+
+    B (input gradient, on the critical path)   dX = dY·W       (…, out)·(out, in) -> (…, in)
+    W (weight gradient, can wait)              dW = dYᵀ·X      (out, N)·(N, in)   -> (out, in)
+
+`split_linear` is that layer as an autograd Function: its backward computes dX, and dW too unless a
+`WeightGradStore` is collecting, in which case it queues (W, X, dY) under the store's key. A ZB B pass
+is then an ordinary backward run while the store collects for (micro-batch, chunk); its W pass
+(`WeightGradStore.run`) does the queued matmuls and adds them into `.grad` in place (ZeRO-1's `.grad`
+is a view into a flat buffer): matmuls only, no communication. The split sits at the local matmul,
+before a row-parallel layer's exit collective (04's `linear_fn`), so every collective's backward runs
+once, in B. Parameters that are not matmul weights (embedding, norms) and the fused loss's weight
+(kernels/, whose gradient is computed inside its forward) get their gradients during B.
+Full recomputation composes: the recomputed linears queue their own X and dY during B (held until W,
+more than the layer inputs that full recomputation alone keeps).
+
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
+
+`split_weight_gradients(stages, store)` applies it from outside: 04's parallel linears get their
+`linear_fn` swapped, every plain nn.Linear (q/k/v/o, gate/up/down, lm_head, 07's router and experts)
+its forward. Shape legend: N tokens (…), in / out the layer's input / output features.
+"""
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    """The deferred dW matmuls of this rank, one queue per (micro-batch, chunk) key."""
+
+    def __init__(self):
+        self.queues, self.collecting = {}, None
+
+    @contextlib.contextmanager
+    def collect(self, key):
+        """While open, split linears queue their dW under `key` instead of computing it (a ZB B pass)."""
+        self.queues[key], self.collecting = [], key
+        try:
+            yield
+        finally:
+            self.collecting = None
+
+    def pending(self) -> int:
+        """Keys whose W has not run yet (their X and dY are held)."""
+        return len(self.queues)
+
+    @torch.no_grad()
+    def run(self, key):
+        """The W pass of `key`: dW = dYᵀ·X for every queued linear, added into its weight's .grad."""
+        for weight, x, dy in self.queues.pop(key):
+            accumulate_grad(weight, weight_gradient(x, dy))
+
+
+def weight_gradient(x, dy):
+    """dW = dYᵀ·X: x (…, in), dy (…, out) -> (out, in), in their (autocast) dtype."""
+    return dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])    # (out, N)·(N, in)
+
+
+def accumulate_grad(weight, dw):
+    """What autograd's AccumulateGrad does: add into an existing .grad in place, else set it."""
+    if weight.grad is None:
+        weight.grad = dw.to(weight.dtype)
+    else:
+        weight.grad.add_(dw)        # bf16 dW into the fp32 master gradient, like autocast's cast backward
+
+
+class SplitLinear(torch.autograd.Function):
+    """Y = X·Wᵀ; backward: dX now, dW now or queued in `store` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, store):
+        w = weight.to(dtype)                       # autocast's cast of the fp32 master weight (bf16)
+        ctx.save_for_backward(x, w)                # through save_for_backward: recomputation manages them
+        ctx.store, ctx.weight = store, weight
+        return F.linear(x, w)                      # (…, in) -> (…, out)
+
+    @staticmethod
+    def backward(ctx, dy):                         # dy (…, out)
+        x, w = ctx.saved_tensors
+        dx = dy @ w if ctx.needs_input_grad[0] else None           # (…, out)·(out, in) -> (…, in)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if ctx.store.collecting is not None:
+                ctx.store.queues[ctx.store.collecting].append((ctx.weight, x, dy))
+            else:
+                dw = weight_gradient(x, dy).to(ctx.weight.dtype)
+        return dx, dw, None, None
+
+
+def split_linear(x, weight, store):
+    """F.linear(x, weight) (no bias) whose dW the store can defer; computes in autocast's dtype when
+    autocast is on (bf16 matmuls, fp32 master weight), as F.linear does."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):     # the Function casts itself: no second cast inside
+        return SplitLinear.apply(x.to(dtype), weight, dtype, store)
+
+
+def _split_forward(module, store):
+    def forward(x):                                                          # (…, in) -> (…, out)
+        return split_linear(x, module.weight, store)
+    return forward
+
+
+def split_weight_gradients(model: nn.Module, store: WeightGradStore):
+    """Route every linear layer's dW of `model` through `store`, in place; returns the model."""
+    for name, module in model.named_modules():
+        if hasattr(module, "linear_fn"):           # 04's Column/RowParallelLinear: the local matmul
+            module.linear_fn = functools.partial(split_linear, store=store)
+        elif isinstance(module, nn.Linear):
+            if module.bias is not None:
+                raise ValueError(f"{name} has a bias: the split linear (ZB-H1) handles weight-only layers")
+            module.forward = _split_forward(module, store)
+    return model

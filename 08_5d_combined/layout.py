@@ -1,0 +1,67 @@
+"""The 5D layout: 08's flags, every folder's rules composed, and the order in which 08 applies them.
+
+Playbook §2.8 and chapter 3. Shared by 08's train.py and planner.py, so the planner refuses exactly the
+layouts the trainer refuses. `parallelize` applies the earlier folders' transforms to the seeded full 01
+model, in this order (each needs the previous one's result):
+
+    2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
+    3. CP           --cp/--cp-layout/--cp-attn (05): ring attention (or Ulysses) replaces the core
+       MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
+    4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
+    5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
+(1, the kernels, happen in 01's build_model; 6, DP or ZeRO-1, in the step.)
+"""
+import os
+from importlib import import_module
+
+cli = import_module("01_single_gpu.cli")
+recompute = import_module("01_single_gpu.recompute")
+process_grid = import_module("02_data_parallel.process_grid")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+sequence_layout = import_module("05_sequence_context_parallel.layout")
+context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+pipeline = import_module("06_pipeline.pipeline")
+moe = import_module("07_expert_parallel.moe")
+experts = import_module("08_5d_combined.experts")
+distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
+
+
+def build_parser(description):
+    parser = cli.core_parser(description)
+    process_grid.add_degree_arguments(parser, "dp", "pp", "cp", "tp", "ep")
+    sequence_layout.add_arguments(parser)                 # --sp --cp-layout --cp-attn
+    pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
+    moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
+                        help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp ranks "
+                             "(03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
+    return parser
+
+
+def check_layout(args, config):
+    """Every rule of every folder, and the world size dp·pp·cp·tp, before any process group exists."""
+    distributed_optimizer.check_zero_stage(args.zero_stage)
+    check_degrees(args, config)
+
+
+def check_degrees(args, config):
+    """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
+    experts.check_experts(args)
+    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
+                            config.tie_word_embeddings)
+    sequence_layout.check_sequence_layout(args, config)
+    tensor_parallel.check_tensor_parallel(config, args.tp)
+    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.pp, args.cp, args.tp, args.ep)
+
+
+def parallelize(full, args, grid, device):
+    """Steps 2-5 on the full model; returns (this rank's stage chunks, the norm weights SP must sum)."""
+    sequence_layout.parallelize(full, args, grid)                          # 2. TP (+ SP), 3. CP (05)
+    if args.num_experts:                                                   # 3b. MoE, EP (07)
+        experts.apply_experts(full, args, grid)
+    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(grid.cp_rank, args.seq_len,
+                                                                                 device)   # (T/cp,) its tokens
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
+    recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
+    norm_weights = [p for name, p in stages.named_parameters() if args.sp and name.endswith("norm.weight")]
+    return stages.to(device), norm_weights

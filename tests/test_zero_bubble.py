@@ -1,0 +1,226 @@
+"""06_pipeline/zero_bubble.py and the pass clock: ZB-H1's split backward and the timeline's times.
+
+Whole-step checks (real gloo ranks; 08's trainer cuts and parallelises the seeded model from outside,
+so without --tp these are 06's stages): one step's schedule on the same micro-batches, zb-h1 against
+1f1b, on the same rank and model, and every parameter's gradient compared:
+    pp2 with --kernels torch, with --recompute full, and with --kernels triton (Triton's CPU
+    interpreter; the fused loss computes lm_head's gradient inside its forward, which the split B/W
+    passes must still deliver), in float64;
+    tp2 + sp × pp2 (4 ranks), where the W passes, wrapped in 02's CommMeter, must issue no collective
+    and no point-to-point message at all (and the B passes, metered alike, do: the meter is live).
+ZB-H1's W runs exactly 1F1B's dW matmuls (dYᵀ·X on the same tensors, accumulated in the same
+micro-batch order); only where dW lands differs (queued, then added in place, against autograd's
+accumulation), so the gradients agree to float64 rounding: 1e-12 relative, 1e-15 absolute for
+entries that are zero. The Triton run reorders nothing between the two schedules either.
+
+Layer checks (no ranks): the split linear under bf16 autocast computes what F.linear computes there
+(bf16 matmuls, dW accumulated into the fp32 .grad), W adds into an existing .grad in place (ZeRO-1's
+views into a flat buffer); the CUDA pass clock, driven by a fake event class on the CPU, turns events
+into times on the host clock of the step's start and waits for the device once per step end.
+"""
+import contextlib
+import os
+import time
+from importlib import import_module
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kernels/ is imported, here and in the spawned ranks
+
+import common
+from harness import run_ranks
+
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+data = import_module("01_single_gpu.data")
+process_grid = import_module("02_data_parallel.process_grid")
+comm = import_module("02_data_parallel.comm")
+pipeline = import_module("06_pipeline.pipeline")
+schedules = import_module("06_pipeline.schedules")
+layout = import_module("08_5d_combined.layout")         # 08's flags, rules and order of transforms
+timeline = import_module("06_pipeline.timeline")
+
+M = 4                                       # micro-batches: rank 0 defers 0, rank 1 defers 1 W (ZB-H1)
+GRADIENTS = dict(rtol=1e-12, atol=1e-15)
+
+
+def _pipeline(args, grid, stages):
+    shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
+    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
+                       shape, build.param_dtype(args), build.device_of(args))
+    return schedules.Pipeline(stages, p2p, schedules.pass_clock(build.device_of(args)),
+                              split_backward=args.pp_schedule == "zb-h1")
+
+
+def _metered(pipe, method, meter, calls):
+    """Run pipe.<method> inside `meter`; count its calls."""
+    inner = getattr(pipe, method)
+
+    def run(*args, **kwargs):
+        calls.append(method)
+        with meter:
+            return inner(*args, **kwargs)
+    setattr(pipe, method, run)
+
+
+def _step_gradients(flag_sets):
+    """On every rank, per flag set: the seeded model parallelised by 08, one step's schedule; this
+    rank's gradients (by 01's names) and the communication its B and W passes issued (zb-h1)."""
+    results = []
+    for extra in flag_sets:
+        args, config, dataset = cli.setup(layout.build_parser("test"), common.argv(
+            *extra, steps=1, mbs=2, grad_acc=M, dtype="float64"), layout.check_layout)
+        grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+        stages, _ = layout.parallelize(build.build_model(args, config), args, grid, build.device_of(args))
+        pipe = _pipeline(args, grid, stages)
+        meters, calls = {op: comm.CommMeter(grid.group_names()) for op in ("B", "W")}, []
+        if args.pp_schedule == "zb-h1":
+            _metered(pipe, "backward_input", meters["B"], calls)
+            _metered(pipe, "backward_weight", meters["W"], calls)
+        sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
+        micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
+        schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
+        results.append(dict(
+            grads={pipeline.single_device_name(n): None if p.grad is None else p.grad.numpy().copy()
+                   for n, p in stages.named_parameters()},
+            w_passes=calls.count("backward_weight"),
+            comm={op: dict(m.calls) for op, m in meters.items()}))
+    return results
+
+
+def _check_same_gradients(flag_sets, per_rank):
+    """Flag sets come in pairs (1f1b, zb-h1); returns the zb-h1 runs of every rank."""
+    zb_runs = []
+    for rank, runs in enumerate(per_rank):
+        for i in range(0, len(flag_sets), 2):
+            reference, split = runs[i]["grads"], runs[i + 1]["grads"]
+            what = f"{' '.join(flag_sets[i + 1])}, rank {rank}"
+            assert split.keys() == reference.keys(), what
+            for name, expected in reference.items():
+                assert expected is not None, f"{what}: 1f1b left {name} without a gradient"
+                assert split[name] is not None, f"{what}: zb-h1 left {name} without a gradient"
+                torch.testing.assert_close(torch.from_numpy(split[name]), torch.from_numpy(expected), **GRADIENTS,
+                                           msg=lambda m: f"{what} {name}: {m}")
+            zb_runs.append((what, runs[i + 1]))
+    return zb_runs
+
+
+def _pairs(*extra):
+    return [["--pp", "2", "--pp-schedule", schedule, *map(str, extra)] for schedule in ("1f1b", "zb-h1")]
+
+
+PP2 = _pairs() + _pairs("--recompute", "full") + _pairs("--kernels", "triton")
+TP2_SP_PP2 = _pairs("--tp", 2, "--sp")
+
+
+@pytest.mark.timeout(300)
+def test_zb_h1_gradients_equal_1f1b_pp2():
+    """Every parameter, lm_head's included (--kernels triton: the fused loss), gets 1F1B's gradient;
+    with --recompute full too (the split sits in the recomputed linears, W needs only their X, dY)."""
+    _check_same_gradients(PP2, run_ranks(_step_gradients, 2, args=(PP2,), timeout=280))
+
+
+@pytest.mark.timeout(300)
+def test_zb_h1_weight_passes_issue_no_communication_under_sp():
+    """tp2 + sp × pp2: W is matmuls only. The all-gather of o_proj's and down_proj's ḡ backward runs
+    once, in B; the meter around the B passes sees the tp collectives (it is live)."""
+    per_rank = run_ranks(_step_gradients, 4, args=(TP2_SP_PP2,), timeout=280)
+    for what, run in _check_same_gradients(TP2_SP_PP2, per_rank):
+        assert run["w_passes"] == M, what
+        assert run["comm"]["W"] == {}, f"{what}: the W passes communicated: {run['comm']['W']}"
+        assert run["comm"]["B"].get(("all_gather", "tp"), 0) > 0, what
+
+
+# ======================================================================================
+# Without ranks: the split linear, the store, the clock
+# ======================================================================================
+def test_split_linear_under_bf16_autocast_matches_f_linear():
+    """fp32 master weight, bf16 autocast on the CPU: the output, dX and the weight's fp32 .grad equal
+    F.linear's exactly (the same bf16 matmuls, the same cast of dW), immediate and deferred alike."""
+    zero_bubble = import_module("06_pipeline.zero_bubble")
+    torch.manual_seed(0)
+    x0, w0, dy = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(2, 5, 6)
+    outcomes = []
+    for mode in ("F.linear", "split", "deferred"):
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        store = zero_bubble.WeightGradStore()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.functional.linear(x, w) if mode == "F.linear" else zero_bubble.split_linear(x, w, store)
+        key = (0, 0)
+        with store.collect(key) if mode == "deferred" else contextlib.nullcontext():
+            y.backward(dy.to(y.dtype))
+        if mode == "deferred":
+            assert w.grad is None                          # B left dW queued
+            store.run(key)
+        outcomes.append((y.dtype, y, x.grad, w.grad))
+    for dtype, y, dx, dw in outcomes[1:]:
+        assert dtype == torch.bfloat16 and dw.dtype == torch.float32
+        for got, expected in zip((y, dx, dw), outcomes[0][1:]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_weight_pass_accumulates_into_an_existing_grad_in_place():
+    """ZeRO-1 makes .grad a view into a flat buffer: W must add into it, not replace it."""
+    zero_bubble = import_module("06_pipeline.zero_bubble")
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    flat = torch.ones(20, dtype=torch.float64)
+    w.grad = flat[4:16].view(3, 4)
+    store = zero_bubble.WeightGradStore()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(5, 3, dtype=torch.float64)
+    with store.collect((1, 0)):
+        zero_bubble.split_linear(x, w, store).backward(dy)
+    assert store.pending() == 1
+    store.run((1, 0))
+    assert store.pending() == 0
+    assert w.grad.data_ptr() == flat[4:].data_ptr()
+    torch.testing.assert_close(flat[4:16].view(3, 4), 1 + dy.t() @ x.detach(), rtol=1e-15, atol=0)
+    assert (flat[:4] == 1).all() and (flat[16:] == 1).all()
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event's interface on a fake device whose stream runs 1 s of work before each recorded
+    event, whatever the host does: the device lags the host as a GPU behind a non-blocking irecv does."""
+    device_clock, done_through, synchronizations = 1000.0, 0.0, 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "elapsed_time needs enable_timing=True"
+        self.at = None
+
+    def record(self):
+        FakeCudaEvent.device_clock += 1.0
+        self.at = FakeCudaEvent.device_clock
+
+    def synchronize(self):            # waits until this event (and all before it on the stream) has run
+        FakeCudaEvent.synchronizations += 1
+        FakeCudaEvent.done_through = max(FakeCudaEvent.done_through, self.at)
+
+    def elapsed_time(self, end):      # milliseconds; CUDA refuses it before both events have completed
+        assert max(self.at, end.at) <= FakeCudaEvent.done_through, "elapsed_time before the events completed"
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_pass_clock_with_fake_events():
+    """A one-stage pipeline (no messages) runs a 1F1B step timed by the CUDA clock: every pass's start
+    and end are the step's host time t0 plus the device time elapsed since the reference event (1 s per
+    event here), resolved by one wait at the end of the step (and one at its start), never per pass."""
+    modeling = import_module("01_single_gpu.model")
+    torch.manual_seed(0)
+    config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)
+    p2p = pipeline.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
+    clock = schedules.DeviceClock(FakeCudaEvent)
+    pipe = schedules.Pipeline(stages, p2p, clock)
+    micro_batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)]
+    FakeCudaEvent.synchronizations = 0
+    schedules.train_step_1f1b(pipe, micro_batches)
+    assert FakeCudaEvent.synchronizations == 2
+    t0 = pipe.events[0].start - 1.0                  # the reference event ran 1 s before the first pass's start
+    assert [(e.op, e.micro, e.start - t0, e.end - t0) for e in pipe.events] == \
+        [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0), ("F", 1, 5.0, 6.0), ("B", 1, 7.0, 8.0),
+         ("F", 2, 9.0, 10.0), ("B", 2, 11.0, 12.0)]
+    assert timeline.timeline_violations(pipe.events, 1) == []
+    assert abs(t0 - time.time()) < 60                 # host seconds, comparable across ranks, not device ones
