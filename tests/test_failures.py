@@ -97,9 +97,10 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
     assert lines[1]["loss"] is None and lines[1]["skipped"] is True and records[3]["loss"] < records[0]["loss"]
 
 
-def test_legacy_loop_stops_and_skips_too(tmp_path, nan_weights):
-    """02 (still on 01/legacy_train.py's loop), a world of one: with NaN weights, stop ends in one line with
-    status 1; skip skips every step (each logged with a null loss) and exits 0."""
+def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
+    """02 as a user runs it (`python 02_data_parallel/train.py --dp 1`, a world of one, its own train_step on
+    01's loop): with NaN weights, stop ends in one line with status 1; skip skips every step (each logged
+    with a null loss) and exits 0."""
     command = [sys.executable, str(ROOT / "02_data_parallel" / "train.py"),
                *common.argv("--dp", 1, "--init-from", nan_weights, "--json-log", tmp_path / "log.jsonl", steps=2)]
     stop = subprocess.run(command, capture_output=True, text=True, timeout=300)
