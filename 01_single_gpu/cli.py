@@ -1,14 +1,26 @@
-"""The command-line contract shared by every `NN_*/train.py`.
+"""The command-line contract shared by every `NN_*/train.py`, and the checks that run before training.
 
 Defined once here; a later folder calls `core_parser()` and adds only its own parallel degrees
 (`--dp`, `--tp`, ...). Same seed and same global batch (dp·mbs·grad_acc sequences of seq_len
 tokens) give the same losses in every folder and every parallel layout.
+
+A mistake ends the run before any process group exists, in one line that names the fix (exit status 2;
+under torchrun only rank 0 prints it): `parse_args` checks the values, the paths the run will write, the
+data source, the tokenizer and `--init-from` directory (without loading them) and the checkpoint to resume;
+`setup` then loads the tokenizer, makes the model config, checks the trainer's layout and builds the data.
 """
 import argparse
+import difflib
+import math
+import os
+import sys
+import uuid
 from importlib import import_module
+from pathlib import Path
 
 import torch
 
+watchdog = import_module("01_single_gpu.watchdog")
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads
     "tiny": (128, 352, 4, 4, 2),
     "small": (512, 1408, 8, 8, 4),
@@ -17,8 +29,44 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors (`fail`: no usage block) and a suggestion for a mistyped flag."""
+
+    def error(self, message):
+        fail(f"{self.prog}: error: {message}")
+
+    def parse_args(self, args=None, namespace=None):
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [option for action in self._actions for option in action.option_strings]
+            typo = next((e for e in extras if e.startswith("--")), "")
+            close = difflib.get_close_matches(typo.split("=")[0], flags, n=1)
+            self.error(f"unrecognized arguments: {' '.join(extras)} "
+                       + (f"(did you mean {close[0]}?)" if close else "(see --help)"))
+        return args
+
+
+def fail(line: str, status: int = 2):
+    """Exit with `line`, printed once: by rank 0 of a torchrun job (every rank finds the same mistake).
+
+    torchrun still prints its summary of the failed workers; rank 0 also writes the line into the error
+    file torchrun gives each worker (TORCHELASTIC_ERROR_FILE), so that summary names it as the root cause.
+    """
+    line = " ".join(line.splitlines())
+    print0(line, file=sys.stderr)
+    if int(os.environ.get("RANK", 0)) == 0:
+        watchdog.record_for_torchrun(line)
+    sys.exit(status)
+
+
+def print0(*args, **kwargs):
+    """print on rank 0 only (every rank of a job checks the same flags: one says what they found)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
 def core_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model (a Llama; explicit sizes override the preset)")
     m.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     m.add_argument("--hidden-size", type=int)
@@ -71,35 +119,150 @@ def core_parser(description: str) -> argparse.ArgumentParser:
                    help="device peak for MFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
     o.add_argument("--checkpoint-dir", metavar="DIR")
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
+    o.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="keep only the newest N checkpoints (0: keep all; a corrupt newest one falls back to older)")
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    o.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints (they are "
+                        "removed once this run has saved its first one)")
+
+    f = p.add_argument_group("failures")
+    f.add_argument("--timeout-s", type=float, default=watchdog.DEFAULT_TIMEOUT_S, metavar="S",
+                   help="a collective, or a training step, that waits longer than this ends every rank "
+                        "(a stalled or dead peer, a deadlock)")
+    f.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a NaN/inf loss or gradient norm stops the run, or skips the step (no parameter or "
+                        "optimizer-state update)")
     return p
 
 
-def parse_args(parser, argv=None):
+def parse_args(parser, argv=None, files: bool = True):
+    """The flags, checked: every value and (`files`) every file they name that can be checked unloaded.
+
+    Runs on every rank before any process group exists, so a mistake is one line from rank 0, not a hang.
+    With --resume it also picks the checkpoint to continue from (`args.resume_step`, the newest one whose
+    files match their checksums) and exits 0 if that one already reached --steps. `files=False` checks the
+    values only (08's planner, which reads no data and only the shapes of --init-from's config.json).
+    """
     args = parser.parse_args(argv)
     preset = dict(zip(("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"),
                       PRESETS[args.preset]))
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
-        args.num_kv_heads = args.num_heads
-    for name in ("steps", "seq_len", "mbs", "grad_acc") + (("lr_decay_steps",) if args.lr_decay_steps else ()):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.resume and not args.checkpoint_dir:
-        parser.error("--resume needs --checkpoint-dir")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible; use --device cpu")
+    args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
+    try:
+        check_values(args)
+        if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
+            args.num_kv_heads = args.num_heads
+        if files:
+            check_inputs(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.resume and args.resume_step >= args.steps:
+        print0(f"nothing to do: {args.checkpoint_dir} holds step {args.resume_step}, and --steps is {args.steps}; "
+               f"pass a larger --steps to train on")
+        sys.exit(0)
     return args
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_values(args):
+    """Values that cannot be right, and flags that need another one: a ValueError naming the flag."""
+    optional = [n for n in ("lr_decay_steps", "vocab_size") if getattr(args, n) is not None]
+    for name in ["steps", "seq_len", "mbs", "grad_acc", "log_every", "hidden_size", "intermediate_size",
+                 "num_layers", "num_heads", "num_kv_heads", *optional]:
+        if getattr(args, name) < 1:
+            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
+    for name in ("warmup_steps", "checkpoint_every", "keep_last"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
+    for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(args, name)}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be 0 or more (a finite number), got {args.weight_decay}")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise ValueError(f"--grad-clip must be 0 (off) or positive (a finite number), got {args.grad_clip}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
+        if getattr(args, name) and not args.checkpoint_dir:
+            raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
+                         "there: pass one of them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+
+
+def check_inputs(args):
+    """The files the flags name, without loading them: the outputs can be written, the data source, the
+    tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says."""
+    sources, hf_io = import_module("01_single_gpu.sources"), import_module("01_single_gpu.hf_io")
+    checkpoint, modeling = import_module("01_single_gpu.checkpoint"), import_module("01_single_gpu.model")
+    check_output_file(args.json_log, "--json-log")
+    check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
+    sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
+    sources.check_tokenizer(args.tokenizer)
+    if args.init_from:
+        hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)
+    if args.checkpoint_dir:
+        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if args.resume:
+            world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
+            resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+            args.resume_step, args.run_id = resumed.step, resumed.run_id
+            for step, problem in resumed.skipped:
+                print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); resuming from "
+                       f"step {resumed.step}", file=sys.stderr)
+        else:
+            checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+
+
+def global_batch_of(args) -> int:
+    """dp·mbs·grad_acc sequences (a trainer without --dp is a world of one replica)."""
+    return getattr(args, "dp", 1) * args.mbs * args.grad_acc
+
+
+def check_output_file(path, flag: str, suffixes=()):
+    """A file the run will write: its folder exists and is writable, and it is not itself a folder."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file path such as {path / 'run.jsonl'}")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {path}: the format comes from the suffix: use {', '.join(suffixes[:-1])} "
+                         f"or {suffixes[-1]}")
+    check_output_folder(path.parent, flag, of=path)
+
+
+def check_output_folder(folder, flag: str, of=None):
+    """A folder the run writes into (created if missing): the nearest existing ancestor is a writable folder."""
+    folder, what = Path(folder), f"{flag} {of or folder}"
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}: {folder} is a file, not a folder" if of else
+                         f"{flag} {folder} is a file: pass a folder (it is created if missing)")
+    existing = next(p for p in [folder, *folder.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{what}: {existing} is a file, not a folder")
+    if of is not None and existing != folder:
+        raise ValueError(f"{what}: the folder {folder} does not exist: create it or pass another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: no permission to write in {existing}: pass another path")
 
 
 def setup(parser, argv=None, check_layout=None):
     """(args, model config, dataset): everything a run must know before any process group exists.
 
-    Parses and checks the flags, loads the tokenizer, makes the model config, runs the trainer's
-    `check_layout(args, config)` (its parallel degrees against the model and the world size), then builds
-    or reads the data windows. A mistake in any of them exits at once with one line naming the fix.
+    Parses and checks the flags (`parse_args`), loads the tokenizer, makes the model config, runs the
+    trainer's `check_layout(args, config)` (its parallel degrees against the model and the world size),
+    then builds or reads the data windows. A mistake in any of them exits at once with one line naming
+    the fix.
     """
     args = parse_args(parser, argv)
     data = import_module("01_single_gpu.data")

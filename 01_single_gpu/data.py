@@ -2,8 +2,8 @@
 
 Plumbing written once and reused by every folder. The default path is fully offline: the corpus is
 the Python standard library's own sources (real English-and-code text that every machine with
-Python already has), tokenized to bytes. Users who are online can pass local text/jsonl/parquet
-files or folders, an HF hub dataset name, and an HF tokenizer directory or name.
+Python already has), tokenized to bytes. Users can pass local text/jsonl/parquet files or folders and
+an HF tokenizer directory, or, online, hub names (sources.py checks what a name points at first).
 
 A build streams: text is tokenized in line-aligned pieces by `datasets.map` (several processes for
 big inputs) into arrow files on disk, then copied batch by batch into one memory-mapped .npy of
@@ -19,22 +19,18 @@ import hashlib
 import io
 import json
 import os
-import sysconfig
 import tempfile
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
 import torch
 
+sources = import_module("01_single_gpu.sources")
 DEFAULT_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "data"
-DEFAULT_CORPUS_BYTES = 4 * 2**20   # 4 MiB of standard-library sources: ~4M byte tokens
 FORMAT_VERSION = 2                 # bump when the code below would turn the same inputs into other windows
 PIECE_CHARS = 2**16                # a text is tokenized in line-aligned pieces of at most this many chars
 TEXT_BYTES_PER_PROC = 4 * 2**20    # one tokenizing process per this much text, up to the cores
-KINDS = {".txt": "text", ".md": "text", ".py": "text",
-         ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-KIND_NAMES = {"text": "text files (.txt/.md/.py)", "json": "JSON records (.jsonl/.json)",
-              "parquet": "Parquet records (.parquet)"}
 
 
 class ByteTokenizer:
@@ -58,7 +54,12 @@ class HFTokenizer:
 
     def __init__(self, name_or_dir: str):
         from transformers import AutoTokenizer  # optional dependency, only on this path
-        self.tok = AutoTokenizer.from_pretrained(name_or_dir)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(name_or_dir)
+        except Exception as error:   # OSError, ValueError, JSON and tokenizers errors alike: a file is broken
+            raise ValueError(f"--tokenizer {name_or_dir} could not be loaded ({type(error).__name__}: "
+                             f"{sources.first_line(error)}): pass a folder saved with save_pretrained, "
+                             f"or 'bytes'") from None
         self.name = name_or_dir
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
@@ -82,42 +83,6 @@ class HFTokenizer:
 
 def load_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
-
-
-def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list:
-    """The top-level standard-library modules in sorted order, up to `limit_bytes`."""
-    files, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if total >= limit_bytes:
-            break
-        files.append(path)
-        total += path.stat().st_size
-    return files
-
-
-def _source_files(source: str):
-    """(kind, files) of a source: "text"/"json"/"parquet" with its files in sorted order, or ("hub", [])."""
-    if source == "stdlib":
-        return "text", default_corpus_files()
-    path = Path(source)
-    if path.is_dir():   # every supported file below it, hidden ones (.git, .ipynb_checkpoints) left out
-        files = [p for p in sorted(path.rglob("*"), key=str) if p.is_file() and p.suffix in KINDS
-                 and not any(part.startswith(".") for part in p.relative_to(path).parts)]
-    elif path.is_file():
-        files = [path]
-    elif path.suffix in KINDS or source.startswith((".", "/")):
-        raise ValueError(f"{source} does not exist: pass --dataset an existing file or folder")
-    else:   # an HF hub dataset name, e.g. "roneneldan/TinyStories" (needs the network)
-        return "hub", []
-    kinds = {KINDS.get(p.suffix) for p in files}
-    if not files or None in kinds:
-        raise ValueError(f"{source}: no .txt/.md/.py or .jsonl/.json/.parquet files there; "
-                         f"pass --dataset such a file or a folder of them")
-    kinds = [k for k in KIND_NAMES if k in kinds]
-    if len(kinds) > 1:
-        raise ValueError(f"{source} mixes {KIND_NAMES[kinds[0]]} with {KIND_NAMES[kinds[1]]}: "
-                         f"split them into two folders and pass one")
-    return kinds[0], files
 
 
 def _fingerprint(source, kind, files, text_column, tokenizer, seq_len) -> str:
@@ -152,11 +117,17 @@ def _text_rows(files):
 def _records(source, kind, files, text_column, scratch):
     """A `datasets.Dataset` with one column "text" from .jsonl/.json/.parquet files or a hub dataset."""
     import datasets
-    if kind == "hub":
-        ds = datasets.load_dataset(source, split="train")
-    else:
-        ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
-                                   cache_dir=str(scratch))
+    try:
+        if kind == "hub":
+            ds = datasets.load_dataset(source, split="train")
+        else:
+            ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
+                                       cache_dir=str(scratch))
+    except Exception as error:   # a record check_source did not peek at, or the hub, is broken: name the source
+        cause = error.__cause__ or error
+        raise ValueError(f"{source} could not be read as {sources.KIND_NAMES.get(kind, 'a hub dataset')} "
+                         f"({type(cause).__name__}: {sources.first_line(cause)}): fix it or pass another "
+                         f"--dataset") from None
     if text_column not in ds.column_names:
         raise ValueError(f"{source} has no column {text_column!r} (columns: {ds.column_names}); "
                          f"pass --text-column")
@@ -250,7 +221,7 @@ def build_dataset(source: str, tokenizer, seq_len: int, cache_dir=DEFAULT_CACHE,
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {tokenizer.name} has no EOS token to end documents with: "
                          f"save it with one (eos_token=...)")
-    kind, files = _source_files(source)
+    kind, files = sources.check_source(source, text_column, seq_len + 1)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / f"{_fingerprint(source, kind, files, text_column, tokenizer, seq_len)}.npy"

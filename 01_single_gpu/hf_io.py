@@ -3,7 +3,8 @@
 Plumbing, not a technique: `--init-from DIR` starts training from such a directory (a real Llama
 checkpoint, or one saved by `save_hf`), and the parity test round-trips through it. Sharded
 checkpoints (`model.safetensors.index.json`) are read too. Later folders shard the loaded full
-state dict themselves (build the full weight, then slice it per rank).
+state dict themselves (build the full weight, then slice it per rank). `check_hf_dir` checks a
+directory before training from the safetensors headers alone: every tensor there, in its shape.
 """
 import json
 from pathlib import Path
@@ -58,16 +59,75 @@ def config_from_hf(directory, config_cls):
         raise ValueError(f"{directory}: {error}") from None
 
 
-def load_hf_state_dict(directory) -> dict:
+def weight_files(directory) -> list:
+    """The safetensors files of an HF directory: those its index names, or model.safetensors."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            raise ValueError(f"{index} is not a safetensors index ({error!r})") from None
+    elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
-    state = {}
+    else:
+        raise ValueError(f"{directory}: no model.safetensors (or model.safetensors.index.json) in it: "
+                         f"pass a folder saved with save_pretrained / save_hf")
     for name in files:
-        state.update(load_file(directory / name))
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory}: model.safetensors.index.json names {name}, which is not there")
+    return files
+
+
+def read_safetensors_header(path) -> dict:
+    """name -> shape of the tensors of a safetensors file, from its header alone (8 bytes of length, then
+    JSON); a ValueError naming the file if it is not one, or shorter than the tensors it declares."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > size - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = 8 + length + max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        if end > size:
+            raise ValueError(f"its tensors end at byte {end}, the file has {size}: a torn copy")
+        return {k: tuple(v["shape"]) for k, v in tensors.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+
+
+def check_hf_dir(directory, config_cls, model_cls):
+    """--init-from before training: a folder whose config.json makes a config and whose weight files hold
+    exactly that model's tensors in their shapes (headers only: nothing is loaded)."""
+    if not Path(directory).is_dir():
+        raise ValueError(f"--init-from {directory}: no such folder: pass a local folder with config.json and "
+                         f"model.safetensors (a Hugging Face Llama)")
+    config = config_from_hf(directory, config_cls)
+    found = {}
+    for name in weight_files(directory):
+        found.update(read_safetensors_header(Path(directory) / name))
+    with torch.device("meta"):   # shapes only: no memory, no initialisation
+        expected = {k: tuple(v.shape) for k, v in model_cls(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        found.pop("lm_head.weight", None)
+    missing = expected.keys() - found.keys()
+    unexpected = found.keys() - expected.keys() - {"model.rotary_emb.inv_freq"}
+    if missing or unexpected:
+        raise ValueError(f"{directory}: the weight files lack {sorted(missing)[:4]} and hold unexpected "
+                         f"{sorted(unexpected)[:4]}: they do not belong to its config.json")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ValueError(f"{directory}: {name} has shape {found[name]}, config.json implies {shape}")
+
+
+def load_hf_state_dict(directory) -> dict:
+    state = {}
+    for name in weight_files(directory):
+        state.update(load_file(Path(directory) / name))
     return state
 
 

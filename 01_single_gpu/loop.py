@@ -4,22 +4,28 @@
         set the learning rate                                   optim.lr_at
         this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
+        a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
 
 Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
-file and nothing else differs between folders. `--resume` first restores the latest checkpoint
-(checkpoint.py checks it is the same run and layout). The first step of a run is measured: the peak of
-what autograd saved for backward is the rank's activation memory (memory.saved_activation_bytes).
+file and nothing else differs between folders. `--resume` first restores the checkpoint `cli.parse_args`
+chose and checked (the newest usable one of the same run and layout). The first step of a run is
+measured: the peak of what autograd saved for backward is the rank's activation memory
+(memory.saved_activation_bytes). With several ranks a watchdog ends a rank whose step has not finished
+for --timeout-s seconds (a stalled peer: watchdog.py).
 """
 import contextlib
+import math
 from importlib import import_module
 
 build = import_module("01_single_gpu.build")
 checkpoint = import_module("01_single_gpu.checkpoint")
+cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
+watchdog = import_module("01_single_gpu.watchdog")
 
 
 def train(args, train_step, model, optimizer, dataset, flops_per_token: int, grid=None, layout=None):
@@ -36,33 +42,60 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
     start = 0
     if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
-        checkpoint.check_resume(args, args.checkpoint_dir, sampler.global_batch)
-        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout)
+        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     tokens_per_step = sampler.global_batch * args.seq_len
     log = metrics.StepLog(args, start, tokens_per_step, flops_per_token * tokens_per_step,
                           grid.world_size if grid else 1, device, is_logging_rank)
     params = [p for p in model.parameters() if p.requires_grad]
-    for step in range(start, args.steps):
-        log.start_step()
-        lr = optim.lr_at(step, args)
-        optim.set_lr(optimizer, lr)
-        micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, dp_rank))
-                         for m in range(args.grad_acc)]                       # grad_acc × (x, y), (mbs, T) each
-        # The run's first step follows what autograd saves for backward: its peak is the measured
-        # activation memory (the setup table shows Korthikanti's estimate).
-        meter = memory.saved_activation_bytes(exclude=params) if step == start else None
-        with meter or contextlib.nullcontext():
-            loss, grad_norm = train_step(micro_batches)
-        log.end_step(step, loss, lr, grad_norm)
-        if meter:
-            log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
-                      f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
-        if args.checkpoint_dir and (step + 1 == args.steps or
-                                    (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-            checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                       {**layout, "global_batch": sampler.global_batch, "args": vars(args)})
+    guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None
+    several = grid is not None and grid.world_size > 1
+    with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog:
+        for step in range(start, args.steps):
+            log.start_step()
+            lr = optim.lr_at(step, args)
+            optim.set_lr(optimizer, lr)
+            micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, dp_rank))
+                             for m in range(args.grad_acc)]                   # grad_acc × (x, y), (mbs, T) each
+            # The run's first step follows what autograd saves for backward: its peak is the measured
+            # activation memory (the setup table shows Korthikanti's estimate).
+            meter = memory.saved_activation_bytes(exclude=params) if step == start else None
+            with meter or contextlib.nullcontext():
+                loss, grad_norm = train_step(micro_batches)
+            skipped = guard is not None and guard.skipped
+            log.end_step(step, loss, lr, grad_norm, skipped)
+            if not (skipped or finite(loss, grad_norm)):
+                log.close()
+                stop_nonfinite(step, loss, grad_norm, guard is not None)
+            if skipped:
+                log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
+                          f"(--on-nonfinite skip: parameters and optimizer state unchanged)")
+            if meter:
+                log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                          f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+            if args.checkpoint_dir and (step + 1 == args.steps or
+                                        (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+                checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
+                                           {"layout": layout, "global_batch": sampler.global_batch,
+                                            "args": vars(args)}, args.keep_last, args.overwrite)
+            if dog:
+                dog.beat(f"step {step + 1} ended")
+    if guard:
+        guard.remove()
     log.close()
     if log.records and is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
     return log.records
+
+
+def finite(loss: float, grad_norm) -> bool:
+    return math.isfinite(loss) and math.isfinite(float(grad_norm))
+
+
+def stop_nonfinite(step: int, loss: float, grad_norm, skipping: bool):
+    """End the run (exit status 1) after a step with a NaN or inf loss or gradient norm that was not skipped.
+    Every rank sees the same global loss and norm, so all stop together, before the step's checkpoint."""
+    why = ("its gradients were finite (the norm overflowed), so the step could not be skipped" if skipping
+           else "--on-nonfinite stop")
+    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). Lower "
+             f"--lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip", status=1)

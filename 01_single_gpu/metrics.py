@@ -7,11 +7,16 @@ A trainer whose token does not pass through every parameter (07's MoE) gives its
 
 `StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
 --json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
-"mfu"}), written by the logging rank only.
+"mfu"}, and "skipped": true for a step --on-nonfinite skip skipped), written by the logging rank only.
+Every line is strict JSON (a NaN or inf is written as null), and a resumed run first drops the lines
+after its checkpoint's step, so the file holds each step once.
 """
 import json
+import math
+import os
 import time
 from importlib import import_module
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -39,6 +44,32 @@ def peak_tflops(args, device):
     return next((v for k, v in PEAK_TFLOPS.items() if k in torch.cuda.get_device_name(device)), None)
 
 
+def json_line(record: dict) -> str:
+    """A record as one line of strict JSON: NaN and inf (which json.dumps would write bare) become null."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}, allow_nan=False) + "\n"
+
+
+def open_json_log(path, start: int, resume: bool):
+    """--json-log, ready to append the records of the steps after `start`. A resumed run keeps the lines of
+    steps up to its checkpoint and drops the rest: the steps the run before logged after that checkpoint
+    (they are run again) and a line torn by a crash."""
+    path = Path(path)
+    if not (resume and path.exists()):
+        return open(path, "w")
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= start:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text("".join(kept))
+    os.replace(scratch, path)
+    return open(path, "a")
+
+
 class StepLog:
     """Times each step and reports it; `records` keeps what was logged (tests and callers read it)."""
 
@@ -50,7 +81,7 @@ class StepLog:
         self.records = []
         self.json = None
         if args.json_log and is_logging_rank:
-            self.json = open(args.json_log, "a" if args.resume else "w")
+            self.json = open_json_log(args.json_log, start, args.resume)
         self.bar = tqdm(total=args.steps, initial=start, disable=not is_logging_rank or args.no_progress,
                         desc="train", dynamic_ncols=True)
         self.t0 = time.perf_counter()
@@ -58,16 +89,18 @@ class StepLog:
     def start_step(self):
         self.t0 = time.perf_counter()
 
-    def end_step(self, step: int, loss: float, lr: float, grad_norm) -> dict:
+    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False) -> dict:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
         seconds = time.perf_counter() - self.t0
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": self.tokens_per_step / seconds,
                   "mfu": self.flops_per_step / seconds / (self.peak * 1e12 * self.world_size) if self.peak else None}
+        if skipped:
+            record["skipped"] = True
         self.records.append(record)
         if self.json:
-            self.json.write(json.dumps(record) + "\n")
+            self.json.write(json_line(record))
             self.json.flush()
         if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
             mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB" if self.device.type == "cuda"

@@ -4,10 +4,12 @@ AdamW (Loshchilov & Hutter) with Llama's β = (0.9, 0.95), decoupled weight deca
 embeddings only, and the schedule of playbook §2.1's training runs: a linear warm-up to --lr over
 --warmup-steps, then a cosine decay to lr·min_lr_ratio at step --lr-decay-steps (default --steps), flat
 after it. Parallel folders keep this optimizer and change only which tensors it steps (ZeRO: shards).
+`SkipNonFinite` makes a step with NaN/inf gradients change nothing (--on-nonfinite skip).
 """
 import math
 
 import torch
+import torch.distributed as dist
 
 
 def decays(p) -> bool:
@@ -38,3 +40,35 @@ def lr_at(step: int, args) -> float:
 def set_lr(optimizer, lr: float):
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+class SkipNonFinite:
+    """While installed, `optimizer.step()` changes nothing when a gradient holds NaN or inf on any rank.
+
+    The check runs as a step pre-hook, after the trainer clipped (a NaN norm makes every clipped gradient
+    NaN): every gradient is dropped before AdamW runs, and AdamW skips parameters without one, so neither
+    the parameters nor the moments nor the step count move. All ranks decide together, through one
+    all-reduce (max) of the flag, as mixed-precision loss scalers do (Megatron's found_inf): a rank holding
+    a shard of finite gradients skips with the rank whose shard overflowed. `skipped` says what the last
+    step did.
+    """
+
+    def __init__(self, optimizer):
+        self.skipped = False
+        self.handle = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        bad = torch.zeros((), device=params[0].device)
+        if grads:
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(bad.dtype)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.skipped = bool(bad)
+        if self.skipped:
+            for p in params:
+                p.grad = None
+
+    def remove(self):
+        self.handle.remove()

@@ -22,9 +22,13 @@ import contextlib
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
+from importlib import import_module
 
 import torch
 import torch.distributed as dist
+
+watchdog = import_module("01_single_gpu.watchdog")
 
 
 def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
@@ -125,33 +129,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
+def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+                     timeout_s: float = watchdog.DEFAULT_TIMEOUT_S) -> ProcessGrid:
     """Join the job `torchrun` (or the test harness) started and build the grid.
 
     The degrees are checked against WORLD_SIZE before any process group exists, so a bad layout
     fails at once with a message instead of hanging in a collective. Gloo on the CPU, NCCL on GPUs:
-    the one place where device and backend are chosen.
+    the one place where device and backend are chosen. A collective that waits `timeout_s` (--timeout-s)
+    for a peer fails instead of hanging, and a worker of torchrun ends with its agent (watchdog.py).
     """
     grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp, pp, cp, tp, ep)
+    if "TORCHELASTIC_RUN_ID" in os.environ:   # started by torchrun's agent: never train on as an orphan
+        watchdog.exit_with_parent()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend, timeout = "nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s)
         if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:                        # plain `python train.py`: a world of one, on a port no other run holds
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
     return build_process_grid(dp, pp, cp, tp, ep)
 
 
 @contextlib.contextmanager
-def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):
+def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
+                timeout_s: float = watchdog.DEFAULT_TIMEOUT_S):
     """`with distributed(...) as grid:` init_distributed, and at the end destroy the process group this
     call created: a process that exits with live gloo/NCCL threads can abort ("terminate called without
     an active exception") and make a finished run look failed. A group created by the caller (the test
     harness) is left to it."""
     created = not dist.is_initialized()
-    grid = init_distributed(device_type, dp, pp, cp, tp, ep)
+    grid = init_distributed(device_type, dp, pp, cp, tp, ep, timeout_s)
     try:
         yield grid
     finally:

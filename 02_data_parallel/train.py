@@ -85,7 +85,7 @@ def run(args, config, dataset, grid):
 
 def main(argv=None):
     args, config, dataset = cli.setup(build_parser(), argv, check_layout)
-    with process_grid.distributed(args.device, dp=args.dp) as grid:
+    with process_grid.distributed(args.device, dp=args.dp, timeout_s=args.timeout_s) as grid:
         return run(args, config, dataset, grid)
 
 

@@ -97,7 +97,7 @@ def run(args, config, dataset, grid):
 
 def main(argv=None):
     args, config, dataset = cli.setup(build_parser(), argv, check_layout)
-    with process_grid.distributed(args.device, dp=args.dp, pp=args.pp) as grid:
+    with process_grid.distributed(args.device, dp=args.dp, pp=args.pp, timeout_s=args.timeout_s) as grid:
         return run(args, config, dataset, grid)
 
 

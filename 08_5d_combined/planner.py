@@ -252,7 +252,7 @@ def world_size(n: int):
 
 def main(argv=None):
     parser = build_parser()
-    args = cli.parse_args(parser, argv)
+    args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
     layout = layout_of(args)
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world

@@ -161,7 +161,8 @@ def run(args, config, dataset, grid):
 
 def main(argv=None):
     args, config, dataset = cli.setup(layout.build_parser(__doc__.splitlines()[0]), argv, layout.check_layout)
-    with process_grid.distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep) as grid:
+    with process_grid.distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep,
+                                  timeout_s=args.timeout_s) as grid:
         return run(args, config, dataset, grid)
 
 

@@ -113,7 +113,8 @@ def _train(flag_sets):
 def _check(flag_sets, per_rank):
     for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
         precision = {"float32": "fp32", "float64": "fp64"}[dtype]
-        args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision))
+        args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
+                              files=False)   # the planner's view: the checkpoints are not read
         layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
         if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
             records, model, _ = import_module("07_expert_parallel.train").main(common.argv(

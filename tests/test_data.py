@@ -21,6 +21,7 @@ import pytest
 import common
 
 data = import_module("01_single_gpu.data")
+sources = import_module("01_single_gpu.sources")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -140,7 +141,7 @@ def test_default_corpus_windows_are_unchanged():
     normalised) closed by EOS=256, concatenated in sorted file order and cut into seq_len+1 windows."""
     tok = data.ByteTokenizer()
     windows = data.build_dataset("stdlib", tok, common.SEQ_LEN)
-    docs = [p.read_text(encoding="utf-8", errors="replace") for p in data.default_corpus_files()]
+    docs = [p.read_text(encoding="utf-8", errors="replace") for p in sources.default_corpus_files()]
     ids = np.concatenate([np.append(np.frombuffer(d.encode(), np.uint8).astype(np.int64), tok.eos_token_id)
                           for d in docs])
     n = len(ids) // (common.SEQ_LEN + 1)

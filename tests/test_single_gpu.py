@@ -176,14 +176,20 @@ def test_resume_keeps_the_learning_rate_schedule(tmp_path):
     (["--lr-decay-steps", 9], "--lr-decay-steps 9 differs from the checkpoint's 1"),
     (["--seed", 7], "--seed 7 differs from the checkpoint's 1234"),
     (["--lr", 1e-3], "--lr 0.001 differs from the checkpoint's 0.003"),
+    (["--hidden-size", 64], "--hidden-size 64 differs from the checkpoint's 32"),
+    (["--num-kv-heads", 4], "--num-kv-heads 4 differs from the checkpoint's 2"),
+    (["--tie-embeddings"], "--tie-embeddings True differs from the checkpoint's False"),
 ])
-def test_resume_refuses_a_different_run(tmp_path, flags, message):
-    """What fixes the data, the batch and the schedule must not change under --resume: the run would
-    silently become another one. Each refusal names the flag (and comes before any training)."""
+def test_resume_refuses_a_different_run(tmp_path, capsys, flags, message):
+    """What fixes the model, the data, the batch and the schedule must not change under --resume: the run
+    would silently become another one. Each refusal is one line naming the flag, before any training."""
     ckpt = tmp_path / "c"
     common.single_device_run("--checkpoint-dir", ckpt, steps=1)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
         common.single_device_run("--checkpoint-dir", ckpt, "--resume", *flags, steps=2)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
 def test_resume_with_other_layout_refuses(tmp_path):

@@ -1,0 +1,225 @@
+"""What a run does when training goes wrong: NaN/inf, a stalled peer, a killed launcher.
+
+Compared here: a step with NaN gradients under --on-nonfinite skip against the state before it (the
+parameters and every optimizer tensor bitwise equal: nothing may move), the --json-log lines against
+strict JSON, and, on real 2-rank gloo runs under torchrun on the CPU, the seconds until every process of
+a run whose rank 1 was stopped (SIGSTOP), or whose torchrun agent was killed, is gone.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+
+cli = import_module("01_single_gpu.cli")
+hf_io = import_module("01_single_gpu.hf_io")
+loop = import_module("01_single_gpu.loop")
+modeling = import_module("01_single_gpu.model")
+optim = import_module("01_single_gpu.optim")
+train01 = import_module("01_single_gpu.train")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def strict_json(line):
+    """json.loads that refuses NaN and Infinity, which are not JSON."""
+    return json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in --json-log: not JSON"))
+
+
+@pytest.fixture
+def nan_weights(tmp_path):
+    """An HF directory of the TINY model with one NaN in the last norm: every loss is NaN from step 1."""
+    config = modeling.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)
+    model = modeling.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    hf_io.save_hf(model, tmp_path / "nan")
+    return tmp_path / "nan"
+
+
+def test_nonfinite_loss_stops_the_run_in_one_line(tmp_path, capsys, nan_weights):
+    """Default --on-nonfinite stop: step 1's loss is NaN, the run ends with status 1 and one line, and the
+    --json-log line of that step is strict JSON (null for NaN). The old loop trained on with exit status 0."""
+    log = tmp_path / "log.jsonl"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        common.single_device_run("--init-from", nan_weights, "--json-log", log, steps=3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 1 and len(err) == 1 and "step 1: the loss is nan" in err[0], err
+    assert "pass --on-nonfinite skip" in err[0]
+    assert [strict_json(line) for line in log.read_text().splitlines()][0]["loss"] is None
+
+
+def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
+    """--on-nonfinite skip with step 2's logits poisoned with NaN (a forward hook, that step only): the step
+    is logged as skipped, the parameters and every optimizer tensor (moments, step counts) after it are
+    bitwise those before it, and the steps around it train normally."""
+    args, config, dataset = cli.setup(cli.core_parser("t"), common.argv("--on-nonfinite", "skip", "--json-log",
+                                                                        tmp_path / "log.jsonl", steps=4))
+    model = train01.build.build_model(args, config)
+    optimizer = optim.make_optimizer(model.parameters(), args)
+    calls, seen = [], {}
+
+    def snapshot():
+        return ([p.detach().clone() for p in model.parameters()],
+                [v.clone() for s in optimizer.state.values() for v in s.values()])
+
+    def poisoned_step(micro_batches):
+        calls.append(len(calls) + 1)
+        if calls[-1] != 2:
+            return train01.train_step(model, optimizer, micro_batches, args)
+        seen["before"] = snapshot()
+        hook = model.lm_head.register_forward_hook(lambda module, inputs, out: out * float("nan"))
+        try:
+            result = train01.train_step(model, optimizer, micro_batches, args)
+        finally:
+            hook.remove()
+        seen["after"] = snapshot()
+        return result
+
+    records = loop.train(args, poisoned_step, model, optimizer, dataset, 1)
+    assert [r.get("skipped", False) for r in records] == [False, True, False, False]
+    (params_before, state_before), (params_after, state_after) = seen["before"], seen["after"]
+    assert len(state_before) == len(state_after) > 0
+    for before, after in zip(params_before + state_before, params_after + state_after):
+        assert torch.equal(before, after)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for i, r in enumerate(records) if i != 1)
+    lines = [strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert lines[1]["loss"] is None and lines[1]["skipped"] is True and records[3]["loss"] < records[0]["loss"]
+
+
+def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
+    """02 as a user runs it (`python 02_data_parallel/train.py --dp 1`, a world of one, its own train_step on
+    01's loop): with NaN weights, stop ends in one line with status 1; skip skips every step (each logged
+    with a null loss) and exits 0."""
+    command = [sys.executable, str(ROOT / "02_data_parallel" / "train.py"),
+               *common.argv("--dp", 1, "--init-from", nan_weights, "--json-log", tmp_path / "log.jsonl", steps=2)]
+    stop = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    lines = stop.stderr.strip().splitlines()
+    assert stop.returncode == 1 and len(lines) == 1 and "step 1: the loss is nan" in lines[0], stop.stderr[-3000:]
+    skip = subprocess.run(command + ["--on-nonfinite", "skip"], capture_output=True, text=True, timeout=300)
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    records = [strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["skipped"]) for r in records] == [(None, True), (None, True)]
+
+
+def test_watchdog_ends_a_loop_without_progress(capfd):
+    """No beat for 0.3 s: the watchdog prints one line naming the rank and the last step, and exits 1 (here
+    into a list instead of os._exit). A loop that beats faster than that is left alone."""
+    watchdog = import_module("01_single_gpu.watchdog")
+    exits = []
+    with watchdog.Watchdog(0.3, rank=1, exit=exits.append, poll_s=0.05) as dog:
+        for step in range(8):
+            time.sleep(0.05)
+            dog.beat(f"step {step + 1} ended")
+        assert exits == []
+        time.sleep(1.0)
+    assert exits == [1]
+    assert "rank 1: no progress for 0 s since step 8 ended (--timeout-s 0.3)" in capfd.readouterr().err
+
+
+# ======================================================================================
+# Real 2-rank runs under torchrun
+# ======================================================================================
+def start_torchrun(tmp_path, *extra):
+    """torchrun --nproc_per_node 2 of 02 (dp 2, an endless run logging every step); its stdout lines are
+    collected in the background."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            str(ROOT / "02_data_parallel" / "train.py"),
+                            *common.argv("--dp", 2, "--log-every", 1, *extra, steps=100_000, mbs=2)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    run.lines = []
+    threading.Thread(target=lambda: run.lines.extend(iter(run.stdout.readline, "")), daemon=True).start()
+    return run
+
+
+def wait_for(condition, seconds, what, run):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline or run.poll() is not None:
+            pytest.fail(f"{what} did not happen within {seconds} s:\n{''.join(run.lines)[-4000:]}")
+        time.sleep(0.2)
+
+
+def workers(agent_pid):
+    """{rank: pid} of the processes whose parent is torchrun's agent."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid:
+                env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
+                found[int(env["RANK"])] = int(entry.name)
+        except (OSError, KeyError, ValueError):
+            pass
+    return found
+
+
+def alive(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def cleanup(run, pids):
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if run.poll() is None:
+        run.kill()
+    run.wait(timeout=60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
+def test_a_stalled_rank_ends_every_rank(tmp_path):
+    """Rank 1 is stopped (SIGSTOP) in the middle of training. Rank 0 waits in its next collective; its
+    watchdog ends it --timeout-s (10 s) after its last step, torchrun then kills the stopped rank and exits
+    non-zero. Every process is gone within the timeout plus torchrun's 30 s grace before SIGKILL, plus slack.
+    (The old code had no --timeout-s; without it, rank 0 waited for gloo's 30-minute default.)"""
+    run = start_torchrun(tmp_path, "--timeout-s", 10)
+    pids = {}
+    try:
+        wait_for(lambda: any(line.startswith("step     3 ") for line in run.lines), 180, "step 3", run)
+        pids = workers(run.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        run.wait(timeout=10 + 30 + 40)
+        seconds = time.monotonic() - stopped
+        output = "".join(run.lines)
+        assert run.returncode != 0, output[-4000:]
+        assert "rank 0: no progress for" in output and "a peer stalled, died or deadlocked" in output, output[-4000:]
+        assert not any(alive(pid) for pid in pids.values()), output[-4000:]
+        assert seconds < 80, seconds
+    finally:
+        cleanup(run, pids.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
+def test_workers_exit_when_their_agent_dies(tmp_path):
+    """torchrun's agent is killed (SIGKILL: it can tell its workers nothing). The workers end within
+    seconds, by the kernel's parent-death signal, instead of training on as orphans (the old code's)."""
+    run = start_torchrun(tmp_path)
+    pids = {}
+    try:
+        wait_for(lambda: any(line.startswith("step     3 ") for line in run.lines), 180, "step 3", run)
+        pids = workers(run.pid)
+        assert sorted(pids) == [0, 1], pids
+        run.kill()
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in pids.values()), "workers still running after their agent died"
+    finally:
+        cleanup(run, pids.values())
