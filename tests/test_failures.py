@@ -65,7 +65,7 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
     bitwise those before it, and the steps around it train normally."""
     args, config, dataset = cli.setup(cli.core_parser("t"), common.argv("--on-nonfinite", "skip", "--json-log",
                                                                         tmp_path / "log.jsonl", steps=4))
-    model = train01.build.build_model(args, config)
+    model = train01.build.materialize(train01.build.build_model(args, config), args)
     optimizer = optim.make_optimizer(model.parameters(), args)
     calls, seen = [], {}
 
