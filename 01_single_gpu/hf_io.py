@@ -141,7 +141,8 @@ def load_hf_into(model, directory):
         own.pop("lm_head.weight", None)
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys() - {"model.rotary_emb.inv_freq"}
     if missing or unexpected:
-        raise ValueError(f"{directory}: missing weights {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+        raise ValueError(f"{directory}: missing weights {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}")
     with torch.no_grad():
         for name, tensor in own.items():
             if tensor.shape != state[name].shape:
@@ -161,7 +162,8 @@ def save_hf(model, directory):
                                  **(cfg.rope_scaling or {})}
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                   head_dim=cfg.head_dim, attention_bias=False, mlp_bias=False,
-                  initializer_range=cfg.initializer_range, torch_dtype=str(next(model.parameters()).dtype)[6:])
+                  initializer_range=cfg.initializer_range,
+                  torch_dtype=str(next(model.parameters()).dtype)[6:])
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")

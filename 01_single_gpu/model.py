@@ -11,15 +11,13 @@ Parameter count (playbook App. 5.2, GLU variant, untied head):
     N = 2·V·h + L·(2·h·h + 2·h·h_kv + 3·h·f + 2·h) + h
 with h_kv = n_kv_heads·head_dim and f = intermediate size (h_kv = h and f = 8h/3 give ~16h² per layer).
 
-Designed to be parallelised without being edited:
-  * head counts used in `forward` are derived from the weight shapes, so slicing q/k/v by heads (TP)
-    needs no config change;
-  * the attention core is one swappable callable `Attention.attn_fn` (ring attention, flash
-    attention and selective recomputation replace it), rotary embedding is `Attention.rope_fn`;
-  * the MLP is the named submodule `mlp` (MoE replaces it) with a swappable `act_fn`; an MLP may
-    return (output, auxiliary loss), which every layer returns and the model adds to the task loss;
-  * the loss is `LlamaForCausalLM.loss_fn(hidden, lm_head, labels)` (vocab-parallel and fused
-    cross-entropy replace it), so the full logits never need to exist outside it.
+Designed to be parallelised without being edited (01_single_gpu/README.md says who replaces what):
+head counts come from the weight shapes; the attention core `Attention.attn_fn`, RoPE
+`Attention.rope_fn`, the MLP `mlp` and its `act_fn`, and the loss `LlamaForCausalLM.loss_fn(hidden,
+lm_head, labels)` are swappable attributes; an MLP may return (output, auxiliary loss), which every
+layer returns and the model adds to the task loss.
+
+    python 01_single_gpu/train.py --steps 200
 
 Shape legend: B batch, T sequence, C hidden size, nh query heads, nkv key/value heads,
 hd head dim, F intermediate size, V vocabulary.
@@ -73,10 +71,12 @@ class LlamaConfig:
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"num_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size}")
+            raise ValueError(f"num_heads={self.num_attention_heads} does not divide "
+                             f"hidden_size={self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_kv_heads={self.num_key_value_heads} does not divide "
-                             f"num_heads={self.num_attention_heads} (grouped-query attention needs whole groups)")
+                             f"num_heads={self.num_attention_heads} "
+                             f"(grouped-query attention needs whole groups)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 

@@ -1,7 +1,7 @@
 """Activation recomputation (gradient checkpointing), applied to the model from outside.
 
-Playbook §2.1 "激活重计算" and Korthikanti et al. (the playbook's ref. [9]): instead of keeping
-every intermediate activation for the backward pass, keep less and recompute the rest.
+Playbook §2.1 (activation recomputation) and Korthikanti et al. (the playbook's ref. [9]): instead of
+keeping every intermediate activation for the backward pass, keep less and recompute the rest.
 
     none       keep everything:                       ≈ s·b·h·(34 + 5·a·s/h) bytes per layer (16-bit)
     selective  recompute only the attention core      ≈ 34·s·b·h bytes per layer: the s² scores go,
@@ -11,6 +11,8 @@ every intermediate activation for the backward pass, keep less and recompute the
                                                         compute (one extra forward)
 MFU does not count the recomputed FLOPs (HFU would). `tests/test_single_gpu.py` checks that all
 three give identical gradients and that the saved activations shrink in this order.
+
+    python 01_single_gpu/train.py --recompute selective --steps 3   # the measured peak after step 1
 """
 import functools
 

@@ -17,7 +17,7 @@ modules do the rest for every folder: cli.py (flags), build.py (device, data, se
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 from importlib import import_module

@@ -21,10 +21,11 @@ independent of N, which is why the ring is bandwidth-optimal (ZeRO §7.1: all-re
 
     torchrun --nproc_per_node 3 02_data_parallel/collectives_demo.py
     torchrun --nproc_per_node 4 02_data_parallel/collectives_demo.py --ring-numel 10   # K not divisible by N
+New compared with 01: more than one process; every later folder is built from these operations.
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import argparse
 import time
@@ -180,7 +181,8 @@ def print_in_rank_order(text):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ring-numel", type=int, default=12, help="K, the elements of the ring all-reduce's tensor")
+    p.add_argument("--ring-numel", type=int, default=12,
+                   help="K, the elements of the ring all-reduce's tensor")
     p.add_argument("--sleep", type=float, default=1.0, help="seconds rank r sleeps ×r before the barrier")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")

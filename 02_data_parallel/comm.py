@@ -12,18 +12,15 @@ Playbook §5.1 (collective operations) and ZeRO §7 (communication volume). Two 
    arguments, keyword or positional (a call without one counts as "world"), and each P2POp of a
    `batch_isend_irecv` counts as the isend or irecv it is. Technique code calls torch as usual.
 
-Byte conventions (per rank, for a collective over N ranks on a K-byte tensor, where K is the
-full-size tensor: the all-reduced tensor, the gathered output, the reduce-scattered input):
-    payload  K                          what the call operates on
-    wire     ring algorithm, bytes this rank sends:
-             all_reduce      2(N−1)K/N    (reduce-scatter phase + all-gather phase)
-             all_gather      (N−1)K/N     reduce_scatter (N−1)K/N
-             broadcast/reduce K·(N−1)/N   (pipelined ring: each rank forwards every chunk once;
-                                           counted alike on every rank)
-             all_to_all      the bytes sent to the other ranks
-             send / isend    K            recv / irecv  0 (counted by the sender)
-So plain data parallelism moves 2Ψ(N−1)/N bytes of gradients per rank per step: "2Ψ" in the ZeRO
-paper's units, and ZeRO-1/2's reduce-scatter + all-gather move the same.
+Bytes per rank for a collective over N ranks on a K-byte tensor (the table of every operation is in
+02_data_parallel/README.md): payload K; wire = the bytes this rank sends with the ring algorithm,
+2(N−1)K/N for all_reduce, (N−1)K/N for all_gather, reduce_scatter, broadcast and reduce, the bytes
+sent to the others for all_to_all, K for send/isend (0 for recv/irecv). So plain data parallelism
+moves 2Ψ(N−1)/N bytes of gradients per rank per step, "2Ψ" in the ZeRO paper's units.
+
+    torchrun --nproc_per_node 4 02_data_parallel/train.py --dp 4   # prints the meter's table
+
+New compared with 01: 01 communicates nothing; every later folder's tables come from this meter.
 """
 import functools
 import inspect
@@ -35,7 +32,8 @@ import torch.distributed as dist
 # Flat collectives with one name on torch 2.11 and 2.13
 # ======================================================================================
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+_REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                   else "reduce_scatter_tensor")
 
 
 def all_gather_flat(output, input, group=None, async_op=False):
@@ -181,9 +179,11 @@ class CommMeter:
 
     def table(self, title="communication per rank", steps: int = 1) -> str:
         """One row per (operation, group); divided by `steps` for a per-step average."""
-        rows = [f"{title}:", f"  {'operation':<16}{'group':<10}{'calls':>7}{'payload MiB':>12}{'wire MiB':>10}"]
+        rows = [f"{title}:",
+                f"  {'operation':<16}{'group':<10}{'calls':>7}{'payload MiB':>12}{'wire MiB':>10}"]
         for key in sorted(self.calls):
-            calls = self.calls[key] // steps if self.calls[key] % steps == 0 else round(self.calls[key] / steps, 2)
+            calls = (self.calls[key] // steps if self.calls[key] % steps == 0
+                     else round(self.calls[key] / steps, 2))
             rows.append(f"  {key[0]:<16}{key[1]:<10}{calls:>7}{self.payload[key] / steps / 2**20:>12.3f}"
                         f"{self.wire[key] / steps / 2**20:>10.3f}")
         return "\n".join(rows)

@@ -62,7 +62,8 @@ class DataParallel:
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True):
-        """Accumulate local gradients without communicating (DDP's no_sync; every micro-batch but the last)."""
+        """Accumulate local gradients without communicating (DDP's no_sync; all micro-batches but the
+        last)."""
         self.require_backward_grad_sync = not enabled
         try:
             yield
@@ -188,7 +189,8 @@ def add_arguments(parser):
     g = parser.add_argument_group("data parallelism (02)")
     g.add_argument("--dp-mode", choices=["naive", "overlap", "bucket"], default="bucket",
                    help="all-reduce after backward, per-parameter async hooks, or flat buckets")
-    g.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size for --dp-mode bucket (DDP's 25 MB)")
+    g.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="bucket size for --dp-mode bucket (DDP's 25 MB)")
     return g
 
 

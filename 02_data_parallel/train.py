@@ -14,7 +14,7 @@ New in the step compared with 01: `no_sync` on all micro-batches but the last, a
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -76,10 +76,12 @@ def run(args, config, dataset, grid):
                             f"memory per rank (dp {grid.dp_size}, {args.dp_mode}: a full replica everywhere)")
     step = functools.partial(train_step, model, optimizer, ddp=ddp, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
-        records = loop.train(args, step, model, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
+        records = loop.train(args, step, model, optimizer, dataset,
+                             metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size})
     if grid.rank == 0 and records:
-        print(meter.table(f"communication per rank per step (average of {len(records)} steps)", steps=len(records)))
+        print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
+                          steps=len(records)))
     return records, model, ddp, meter
 
 

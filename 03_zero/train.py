@@ -14,7 +14,7 @@ the shards, AdamW steps 1/N of the states, and stages 1-2 all-gather the updated
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -71,15 +71,17 @@ def run(args, config, dataset, grid):
                          source=build.source(model, args))  # stage 3: only this rank's shard ever exists
     optimizer = optim.make_optimizer(zero.shards, args)
     if grid.rank == 0:
-        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in {len(zero.units)} "
-              f"flat units (Ψ = {zero.padded_numel} padded elements), {config}")
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
+              f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
     step = functools.partial(train_step, model, optimizer, zero=zero, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
-        records = loop.train(args, step, model, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
+        records = loop.train(args, step, model, optimizer, dataset,
+                             metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "zero_stage": args.zero_stage})
     params, grads, states = zero.model_state_bytes(model, optimizer)
     if grid.rank == 0 and records:
-        print(meter.table(f"communication per rank per step (average of {len(records)} steps)", steps=len(records)))
+        print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
+                          steps=len(records)))
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)
         report = memory.MemoryReport(params, grads, states, activations)

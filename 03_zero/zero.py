@@ -1,33 +1,20 @@
 """ZeRO stages 1, 2 and 3: data parallelism that shards the model states instead of replicating them.
 
 Playbook §2.2 "ZeRO", Rajbhandari et al., ZeRO (§5 memory, §7 communication). The parameters are
-grouped into units, one per module (the embedding, each decoder layer, the final norm, the head);
-each unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r
-owns the slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the
-shards (each in two pieces: decayed matrices, undecayed norm gains), so its states are 1/N of DP's.
-What else is sharded:
+grouped into units, one per module (the embedding, each decoder layer, the final norm, the head); each
+unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r owns the
+slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the shards.
 
-    stage 1  optimizer states      grads reduce-scattered after the last micro-batch; after the
-                                   step every rank all-gathers the updated shards
-    stage 2  + gradients           each unit's grads are reduce-scattered during backward as soon
-                                   as they are complete, and the full-size ones are freed
-    stage 3  + parameters          a unit's parameters exist only while it runs: all-gathered
-                                   before its forward and again before its backward, freed right
-                                   after; the next unit's all-gather is issued one unit ahead
+    stage 1  optimizer states   grads reduce-scattered after the last micro-batch; shards all-gathered
+                                after the step
+    stage 2  + gradients        each unit's grads reduce-scattered in backward as soon as complete
+    stage 3  + parameters       a unit all-gathered before its forward and its backward, freed after;
+                                the next unit's all-gather issued one unit ahead
 
-Memory per rank (bytes; Ψ = padded elements of all units, e = bytes per element, AdamW K = 2
-states; fp32 training keeps no separate master copy, so the paper's 2+2+12 becomes 4+4+8):
-    DP       eΨ + eΨ + 2eΨ            stage 2   eΨ + eΨ/N + 2eΨ/N
-    stage 1  eΨ + eΨ + 2eΨ/N          stage 3   eΨ/N + eΨ/N + 2eΨ/N
-Wire bytes per rank per step (comm.py's ring convention, A micro-batches, bytes B = eΨ):
-    stage 1  reduce-scatter + all-gather          2·(N−1)/N·B          (= DP's all-reduce)
-    stage 2  A reduce-scatters + all-gather       (A+1)·(N−1)/N·B
-    stage 3  A·(2 all-gathers + reduce-scatter)   3A·(N−1)/N·B         (the paper's 1.5×)
-plus two scalar all-reduces (the global gradient norm and the logged loss). Stages 2 and 3
-communicate every micro-batch, since a rank keeps no full gradient to accumulate into.
-
-The reduce-scatter writes into slice r of the unit's own buffer and the stage 1-2 all-gather reads
-from it (in-place collectives, which gloo and NCCL both support), so no extra copy exists.
+Memory per rank (Ψ padded elements, e bytes each, AdamW's 2 states): DP eΨ + eΨ + 2eΨ; stage 1
+eΨ + eΨ + 2eΨ/N; stage 2 eΨ + eΨ/N + 2eΨ/N; stage 3 eΨ/N + eΨ/N + 2eΨ/N. Wire bytes per step with A
+micro-batches and B = eΨ: 2·(N−1)/N·B (stage 1, DP's volume), (A+1)·(N−1)/N·B (stage 2),
+3A·(N−1)/N·B (stage 3). Derivation and worked output: 03_zero/README.md.
 
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
@@ -56,7 +43,8 @@ def llama_units(model):
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None}
     return sum(storages.values())
 
 
@@ -89,7 +77,8 @@ class FlatUnit:
             self.free()
         decay_end = self.offsets[sum(optim.decays(p) for p in params)]        # where the norm gains start
         self.pieces = []                                                      # views of the shard
-        for a, b, decayed in ((self.lo, min(self.hi, decay_end), True), (max(self.lo, decay_end), self.hi, False)):
+        for a, b, decayed in ((self.lo, min(self.hi, decay_end), True),
+                              (max(self.lo, decay_end), self.hi, False)):
             if a < b:
                 piece = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo])
                 piece.decays, piece.start = decayed, a - self.lo

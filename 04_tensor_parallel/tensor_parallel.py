@@ -1,30 +1,23 @@
 """Tensor parallelism (Megatron-LM): every weight matrix of a block split over the `tp` ranks.
 
 Playbook §2.3, Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021 §2.3, §4.2.2). Two block
-identities of matrix multiplication ([PB] §2.3):
+identities of matrix multiplication:
 
     column-parallel  Y = X·Aᵀ with A split by output rows:  Y = [X·A₁ᵀ, X·A₂ᵀ, …]   (X replicated)
     row-parallel     Y = X·Aᵀ with A split by input columns: Y = Σᵢ Xᵢ·Aᵢᵀ         (X sharded)
 
-A block is column-then-row, so it needs one collective per direction ([MEG] Fig. 5):
-    attention  q/k/v column-parallel (split by heads) -> attention on nh/tp heads -> o_proj row-parallel
-    MLP        gate/up column-parallel -> SwiGLU on F/tp features -> down_proj row-parallel
-entered through f = `copy_to_tp_region` (identity forward, all-reduce backward) and left through
-f̄ = `reduce_from_tp_region` (all-reduce forward, identity backward). Per layer and micro-batch:
-
-    2 all-reduces forward + 2 backward, each of b·s·h elements; a ring all-reduce sends 2(t−1)/t of
-    its tensor per rank, so 4·b·s·h·(t−1)/t per pass and 8·b·s·h·(t−1)/t per layer and micro-batch
-    ([MEG] §4.2.2: "8bsh(t−1)/t")
-
-The embedding and the loss are vocab-parallel (`vocab_parallel.py`); RMSNorm weights are replicated
-and see the same input on every rank, so their gradients agree without any communication ([PB]
-L1313). Weights, gradients and AdamW states of the linears shrink to 1/t per rank.
+A block is column-then-row (q/k/v → o_proj, gate/up → down_proj; [MEG] Fig. 5), entered through
+f = `copy_to_tp_region` (identity forward, all-reduce backward) and left through f̄ =
+`reduce_from_tp_region` (all-reduce forward, identity backward): per layer and micro-batch 2
+all-reduces of b·s·h elements forward and 2 backward, 8·b·s·h·(t−1)/t on the wire per rank ([MEG]
+§4.2.2). The embedding and the loss are vocab-parallel (`vocab_parallel.py`); the RMSNorm weights are
+replicated and their gradients agree without communication. Weights, gradients and AdamW states of
+the linears shrink to 1/t per rank. Derivations: 04_tensor_parallel/README.md.
 
     torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 4 --num-kv-heads 4
-    torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2
 
-New compared with 02: the model itself is split, applied from outside by `apply_tensor_parallel`,
-which slices the full, identically seeded weights (so the loss equals 01's from step one).
+New compared with 02: the model itself is split, from outside, by `apply_tensor_parallel`, which
+slices the full, identically seeded weights (so the loss equals 01's from step one).
 Shape legend (model.py): B batch, T sequence, C hidden, F intermediate, V vocab, t = tp size.
 """
 import functools
@@ -213,7 +206,8 @@ def check_tensor_parallel(config, tp: int):
         if n % tp:
             fix = (" (grouped-query attention: each rank needs whole key/value heads; pass --num-kv-heads "
                    f"a multiple of {tp}, or use a smaller --tp)" if name == "num_key_value_heads" else
-                   f" (choose --tp dividing it, or change --{name.replace('_', '-').replace('num-attention', 'num')})")
+                   f" (choose --tp dividing it, or change "
+                   f"--{name.replace('_', '-').replace('num-attention', 'num')})")
             raise ValueError(f"tp={tp} does not divide {name}={n}{fix}")
 
 

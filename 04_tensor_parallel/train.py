@@ -15,7 +15,7 @@ the gradient norm summed over the tp shards (`clip_grad_norm_tp`).
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -80,7 +80,8 @@ def run(args, config, dataset, grid):
                             f"memory per rank (dp {grid.dp_size}, tp {grid.tp_size})")
     step = functools.partial(train_step, model, optimizer, ddp=ddp, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
-        records = loop.train(args, step, model, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
+        records = loop.train(args, step, model, optimizer, dataset,
+                             metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size})
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank over {len(records)} steps"))

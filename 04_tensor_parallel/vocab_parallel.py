@@ -14,6 +14,8 @@ communication from b·s·V to b·s"). Rank r owns vocabulary rows [r·V/t, (r+1)
     dL/dz_nv = (softmax(z_n)_v − [v = y_n]) / N_valid      (each rank computes its own columns)
 
     torchrun --nproc_per_node 2 04_tensor_parallel/train.py --tp 2
+
+New compared with 01: replaces `embed_tokens` and `LlamaForCausalLM.loss_fn` (tensor_parallel.py does).
 """
 import torch
 import torch.distributed as dist

@@ -22,6 +22,8 @@ computed fully below the diagonal, with the causal mask on it, and skipped above
 Positions follow the tokens (RoPE gets this rank's `position_ids`), labels are sharded alike.
 
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --cp 4 --cp-layout zigzag
+
+New compared with 04: the attention core swapped for the ring (`Attention.attn_fn`); the rest is per token.
 """
 import math
 from dataclasses import dataclass
@@ -56,8 +58,9 @@ def check_context_parallel(seq_len: int, cp: int, kind: str):
         raise ValueError(f"--cp-layout {kind!r}: choose one of {LAYOUTS}")
     chunks = CPLayout(kind, cp).num_chunks
     if seq_len % chunks:
-        raise ValueError(f"seq_len={seq_len} is not divisible by {chunks} ({'2·cp' if kind == 'zigzag' else 'cp'} "
-                         f"chunks for the {kind} layout with cp={cp}): choose --seq-len a multiple of {chunks}")
+        raise ValueError(f"seq_len={seq_len} is not divisible by {chunks} "
+                         f"({'2·cp' if kind == 'zigzag' else 'cp'} chunks for the {kind} layout with "
+                         f"cp={cp}): choose --seq-len a multiple of {chunks}")
 
 
 # ======================================================================================
@@ -177,10 +180,12 @@ class RingAttentionFunction(torch.autograd.Function):
         for step in range(size):
             if step < size - 1:
                 next_kv, kv_requests = ring_shift(kv, group, tag=0)
-            dkv = torch.zeros_like(kv)                                     # this block's dK/dV from my queries
-            k_c, v_c, dk_c, dv_c = kv[0].chunk(n, 2), kv[1].chunk(n, 2), dkv[0].chunk(n, 2), dkv[1].chunk(n, 2)
+            dkv = torch.zeros_like(kv)                                     # this block's dK/dV, my queries'
+            k_c, v_c, dk_c, dv_c = (kv[0].chunk(n, 2), kv[1].chunk(n, 2),
+                                    dkv[0].chunk(n, 2), dkv[1].chunk(n, 2))
             for i, j, causal in _tiles(layout, rank, (rank - step) % size):
-                dq_t, dk_t, dv_t = tile_backward(q_c[i], k_c[j], v_c[j], do_c[i], lse_c[i], delta_c[i], causal)
+                dq_t, dk_t, dv_t = tile_backward(q_c[i], k_c[j], v_c[j], do_c[i], lse_c[i], delta_c[i],
+                                                 causal)
                 dq_c[i].add_(dq_t), dk_c[j].add_(dk_t), dv_c[j].add_(dv_t)
             if step > 0:          # what the ranks before me accumulated for this block
                 _wait(dkv_requests)

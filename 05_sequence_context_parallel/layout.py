@@ -7,8 +7,12 @@ parallelism the same way:
     --cp-layout  context_parallel.py: which chunks of every sequence each cp rank holds
     --cp-attn    ring (context_parallel.py) or ulysses (ulysses.py) attention across the cp ranks
 
-`check_sequence_layout` raises every rule's error before any process group exists; `parallelize` applies
-the transforms to the seeded full model in place and returns the norm weights whose gradients SP sums over tp.
+`check_sequence_layout` raises every rule's error before any process group exists; `parallelize`
+applies the transforms to the seeded full model in place and returns the norm weights whose gradients
+SP sums over tp.
+
+    torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --tp 2 --sp --cp 2
+New compared with 04: the trainer's rules and transforms gathered here, so that 08 applies them alike.
 """
 from importlib import import_module
 
@@ -21,7 +25,8 @@ ulysses = import_module("05_sequence_context_parallel.ulysses")
 def add_arguments(parser):
     """--sp --cp-layout --cp-attn (the degree --cp is process_grid's)."""
     g = parser.add_argument_group("sequence and context parallelism (05)")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism in the norm regions (needs --tp 2+)")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism in the norm regions (needs --tp 2+)")
     g.add_argument("--cp-layout", choices=context_parallel.LAYOUTS, default="zigzag",
                    help="which chunks of the sequence each cp rank holds")
     g.add_argument("--cp-attn", choices=["ring", "ulysses"], default="ring",
@@ -35,11 +40,13 @@ def check_sequence_layout(args, config):
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
     if args.cp > 1 and args.cp_attn == "ring" and args.attn != "sdpa":
-        raise ValueError(f"--cp-attn ring computes attention block by block itself, so --attn {args.attn} would "
-                         "be ignored: drop --attn, or use --cp-attn ulysses (which wraps the --attn core)")
+        raise ValueError(f"--cp-attn ring computes attention block by block itself, so --attn {args.attn} "
+                         "would be ignored: drop --attn, or use --cp-attn ulysses (which wraps the --attn "
+                         "core)")
     if args.cp_attn == "ulysses":
         tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
-        ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp, args.cp)
+        ulysses.check_ulysses(config.num_attention_heads // args.tp, config.num_key_value_heads // args.tp,
+                              args.cp)
 
 
 def parallelize(model, args, grid):
@@ -49,6 +56,7 @@ def parallelize(model, args, grid):
     elif grid.tp_size > 1:
         tensor_parallel.apply_tensor_parallel(model, grid)
     if grid.cp_size > 1:
-        apply = ulysses.apply_ulysses if args.cp_attn == "ulysses" else context_parallel.apply_context_parallel
+        apply = (ulysses.apply_ulysses if args.cp_attn == "ulysses"
+                 else context_parallel.apply_context_parallel)
         apply(model, context_parallel.CPLayout(args.cp_layout, grid.cp_size), grid.cp_group)
     return model

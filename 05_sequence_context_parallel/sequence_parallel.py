@@ -7,22 +7,18 @@ all of it. SP keeps it sharded along the sequence, (B, T/t, C), and swaps TP's c
     f  (identity | all-reduce)   ->  g  = all-gather along T forward,  reduce-scatter backward
     f̄  (all-reduce | identity)   ->  ḡ  = reduce-scatter along T forward, all-gather backward
 
-    region          hidden   sequence        collective
-    norms/residual  full     T/t sharded     -
-    enter block     full     gathered        g  (all-gather)     before q/k/v and gate/up
-    inside block    C/t, F/t full            -
-    leave block     full     T/t sharded     ḡ  (reduce-scatter)  after o_proj and down_proj
-    embedding       full     T/t sharded     ḡ  (vocab-parallel lookup, then reduce-scatter)
-    lm head         V/t      gathered        g
-
-Communication: all-reduce = reduce-scatter + all-gather, so the volume equals TP's
-(per layer forward 2 all-gathers + 2 reduce-scatters of b·s·h elements, backward the same:
-8·b·s·h·(t−1)/t on the wire per rank, layer and micro-batch). Activation memory: the norm-region activations shrink by t, so per layer
-s·b·h·(34 + 5·a·s/h)/t bytes (16-bit) instead of s·b·h·(10 + 24/t + 5·a·s/(h·t)).
-The RMSNorm weights now see only T/t of the tokens on each rank: their gradients are partial sums
-and are all-reduced over tp before the optimizer step ([PB] §2.4).
+g enters a block (before q/k/v and gate/up, and the lm head), ḡ leaves it (after o_proj and down_proj,
+and the vocab-parallel embedding); the table of regions is in 05_sequence_context_parallel/README.md.
+All-reduce = reduce-scatter + all-gather, so the volume equals TP's: per layer 2 all-gathers and 2
+reduce-scatters of b·s·h elements forward, the same backward, 8·b·s·h·(t−1)/t on the wire per rank,
+layer and micro-batch. The norm-region activations shrink by t: per layer s·b·h·(34 + 5·a·s/h)/t bytes
+(16-bit) instead of TP's s·b·h·(10 + 24/t + 5·a·s/(h·t)). The RMSNorm weights now see only T/t of the
+tokens on each rank: their gradients are partial sums, all-reduced over tp before the optimizer step
+([PB] §2.4; `all_reduce_norm_gradients`, called by 05's and 08's train_step).
 
     torchrun --nproc_per_node 2 05_sequence_context_parallel/train.py --tp 2 --sp
+
+New compared with 04: TP's f / f̄ regions swapped for g / ḡ (04's `Regions`), and the norm-gradient sum.
 """
 from importlib import import_module
 
@@ -83,7 +79,8 @@ SEQUENCE_PARALLEL = tensor_parallel.Regions(enter=gather_from_sp_region, exit=re
 
 def check_sequence_parallel(tp: int, local_seq_len: int):
     if tp < 2:
-        raise ValueError("--sp shards the norm regions over the tensor-parallel ranks: it needs --tp 2 or more")
+        raise ValueError("--sp shards the norm regions over the tensor-parallel ranks: "
+                         "it needs --tp 2 or more")
     if local_seq_len % tp:
         raise ValueError(f"tp={tp} does not divide the sequence each rank holds ({local_seq_len} tokens; "
                          f"seq_len/cp): choose --seq-len a multiple of tp·cp")

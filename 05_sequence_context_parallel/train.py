@@ -18,7 +18,7 @@ summed over tp after the cp×dp average.
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -92,9 +92,11 @@ def run(args, config, dataset, grid):
                                                        tp=grid.tp_size, sp=args.sp, cp=grid.cp_size)
         memory.print_report(model, optimizer, activations, args, config,
                             f"memory per rank (dp {grid.dp_size}, cp {grid.cp_size}, tp {grid.tp_size})")
-    step = functools.partial(train_step, model, optimizer, ddp=ddp, norm_weights=norm_weights, grid=grid, args=args)
+    step = functools.partial(train_step, model, optimizer, ddp=ddp, norm_weights=norm_weights, grid=grid,
+                             args=args)
     with comm.CommMeter(grid.group_names()) as meter:
-        records = loop.train(args, step, model, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
+        records = loop.train(args, step, model, optimizer, dataset,
+                             metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size})
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank over {len(records)} steps"))

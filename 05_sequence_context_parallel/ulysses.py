@@ -14,6 +14,8 @@ grow with cp per rank, but it needs cp to divide the (local) query and key/value
 The zig-zag layout works too: the gathered tokens are put back in sequence order before attention.
 
     torchrun --nproc_per_node 2 05_sequence_context_parallel/train.py --cp 2 --cp-attn ulysses
+
+New compared with context_parallel.py: the same split of the sequence, attended by heads instead of a ring.
 """
 from importlib import import_module
 
@@ -85,7 +87,8 @@ class UlyssesAttention:
         # each belongs, so argsort puts them in sequence order and indexing by them undoes it (zig-zag).
         positions = torch.cat([self.layout.positions(r, T, q.device) for r in range(self.layout.cp_size)])
         to_sequence = positions.argsort()
-        q, k, v = (SeqToHeads.apply(t, self.cp_group)[:, :, to_sequence] for t in (q, k, v))  # (B, h/cp, T, hd)
+        q, k, v = (SeqToHeads.apply(t, self.cp_group)[:, :, to_sequence]               # (B, h/cp, T, hd)
+                   for t in (q, k, v))
         out = self.attn_fn(q, k, v)                                        # (B, nh/cp, T, hd), causal
         return HeadsToSeq.apply(out[:, :, positions], self.cp_group)     # (B, nh, T/cp, hd)
 
@@ -93,8 +96,9 @@ class UlyssesAttention:
 def check_ulysses(num_heads_local: int, num_kv_heads_local: int, cp: int):
     for name, n in (("query", num_heads_local), ("key/value", num_kv_heads_local)):
         if n % cp:
-            raise ValueError(f"--cp-attn ulysses splits the heads over cp: cp={cp} does not divide the {n} {name} "
-                             f"heads each rank holds (num heads / tp); use --cp-attn ring or another --cp")
+            raise ValueError(f"--cp-attn ulysses splits the heads over cp: cp={cp} does not divide the "
+                             f"{n} {name} heads each rank holds (num heads / tp); use --cp-attn ring or "
+                             f"another --cp")
 
 
 def apply_ulysses(model, layout, cp_group):

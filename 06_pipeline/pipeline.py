@@ -20,6 +20,9 @@ Parameters, gradients and optimizer states shrink by p; the activations a stage 
 
 This file: validation, the stage modules cut from the full model, the point-to-point primitives, the
 gradient norm over all stages and the loss broadcast. The schedules are in schedules.py.
+
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8
+New compared with 02: the model is cut by layers, not replicated; activations travel point to point.
 """
 import math
 from importlib import import_module
@@ -39,7 +42,8 @@ def add_arguments(parser):
     g = parser.add_argument_group("pipeline parallelism (06; --grad-acc is the number of micro-batches m)")
     g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
     g.add_argument("--pp-chunks", type=int, default=1, help="model chunks per rank (V, interleaved schedule)")
-    g.add_argument("--timeline", metavar="PATH.png", help="draw the last step's executed timeline (needs matplotlib)")
+    g.add_argument("--timeline", metavar="PATH.png",
+                   help="draw the last step's executed timeline (needs matplotlib)")
     return g
 
 
@@ -53,14 +57,15 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
         raise ValueError(f"--pp-chunks {chunks} needs --pp-schedule interleaved (the {schedule} schedule "
                          f"runs one chunk per rank)")
     if num_layers % (pp * chunks):
-        raise ValueError(f"pp·pp-chunks = {pp}·{chunks} = {pp * chunks} does not divide num_layers={num_layers}: "
-                         f"every stage chunk needs the same number of layers; change --num-layers, --pp or --pp-chunks")
+        raise ValueError(f"pp·pp-chunks = {pp}·{chunks} = {pp * chunks} does not divide "
+                         f"num_layers={num_layers}: every stage chunk needs the same number of layers; "
+                         f"change --num-layers, --pp or --pp-chunks")
     if schedule == "interleaved" and grad_acc % pp:
         raise ValueError(f"the interleaved schedule needs --grad-acc (micro-batches) a multiple of pp={pp}, "
                          f"got {grad_acc} (Megatron §4.2.1); use --grad-acc {math.ceil(grad_acc / pp) * pp}")
     if tie_embeddings and pp > 1:
-        raise ValueError("--tie-embeddings with --pp > 1 is not supported: the embedding (first stage) and the "
-                         "lm head (last stage) live on different ranks; drop --tie-embeddings")
+        raise ValueError("--tie-embeddings with --pp > 1 is not supported: the embedding (first stage) and "
+                         "the lm head (last stage) live on different ranks; drop --tie-embeddings")
 
 
 def layer_blocks(num_layers: int, pp: int, chunks: int, pp_rank: int):
@@ -96,7 +101,8 @@ class PipelineStage(nn.Module):
         chunk, else the activations (B, T, C); the chunk's auxiliary losses: 07's MoE, else 0.0)."""
         if self.is_first:
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
-        positions = self.position_ids if self.position_ids is not None else torch.arange(x.shape[1], device=x.device)
+        positions = (self.position_ids if self.position_ids is not None
+                     else torch.arange(x.shape[1], device=x.device))
         cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
         aux = 0.0
         for layer in self.model.layers.values():
@@ -128,7 +134,8 @@ def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1, position_ids
     `position_ids` (T/cp,): the RoPE positions of this rank's tokens under context parallelism (08)."""
     blocks = layer_blocks(full.config.num_hidden_layers, pp_size, chunks, pp_rank)
     return nn.ModuleList(PipelineStage(full, layers, is_first=pp_rank == 0 and c == 0,
-                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1, position_ids=position_ids)
+                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1,
+                                       position_ids=position_ids)
                          for c, layers in enumerate(blocks))
 
 
@@ -141,7 +148,8 @@ def boundary_shape(mbs: int, seq_len: int, hidden_size: int, cp: int = 1, tp: in
 
 
 def single_device_name(name: str) -> str:
-    """'1.model.layers.5.mlp.up_proj.weight' (chunk 1 of this rank) -> 01's 'model.layers.5.mlp.up_proj.weight'."""
+    """'1.model.layers.5.mlp.up_proj.weight' (chunk 1 of this rank) -> 01's
+    'model.layers.5.mlp.up_proj.weight'."""
     return name.split(".", 1)[1]
 
 

@@ -19,6 +19,7 @@ Each schedule is `train_step_*(pipe, micro_batches)` -> the local mean loss (0 o
 clock (the host's on the CPU, CUDA events on a GPU). ZB-H1's B/W split is zero_bubble.py's.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
+New compared with 02: the micro-batch loop of the step becomes one of these orders of passes.
 """
 import time
 from dataclasses import dataclass
@@ -159,7 +160,8 @@ class Pipeline:
     def finish(self):
         self.p2p.finish()
         deferred = self.weight_store.queues if self.weight_store else {}
-        assert not self.saved and not deferred, f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
+        assert not self.saved and not deferred, \
+            f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
         times = self.clock.seconds([t for *_, start, end in self._stamps for t in (start, end)])
         self.events = [Event(self.rank, op, micro, chunk, start, end) for (op, micro, chunk, *_), start, end
                        in zip(self._stamps, times[::2], times[1::2])]

@@ -17,7 +17,9 @@ this file turns the events of all ranks of one pipeline into
   * `render_png`: one row per rank, boxes coloured by micro-batch, B lighter, W hatched; the executed
     timeline above, its ideal replay below.
 
-    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b --timeline 1f1b.png
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b \\
+        --timeline 1f1b.png
+New compared with 02: a step is an order of passes on several ranks, so its idle time can be measured.
 """
 from importlib import import_module
 
@@ -119,7 +121,8 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1):
             left, width = (e.start - t0) * scale, (e.end - e.start) * scale
             ax.barh(p - 1 - e.rank, width, left=left, height=0.8, edgecolor="black", linewidth=0.4, **style)
             label = f"{e.micro}" + (f"c{e.chunk}" if chunks > 1 else "")
-            ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6, clip_on=True)
+            ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6,
+                    clip_on=True)
         ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
         ax.set_xlabel(xlabel, fontsize=8)
     grey = (0.5, 0.5, 0.5)

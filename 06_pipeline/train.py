@@ -7,7 +7,8 @@ number, and the gradient norm is taken over all stages. With --dp, the dp pipeli
 gradients once, after the last micro-batch (02's `average_gradients`).
 Bubble (idle / useful per rank): (p−1)/m for afab and 1f1b, (p−1)/(V·m) interleaved, (p−1)/(3m) zb-h1.
 
-    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8 --timeline 1f1b.png
+    torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8 \\
+        --timeline 1f1b.png
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 2 --dp 2 --pp-schedule zb-h1 --grad-acc 4 --mbs 4
 
 New in the step compared with 02: the micro-batch loop is a schedule of F/B(/W) passes with point-to-point
@@ -15,7 +16,7 @@ sends between stages; the norm is summed over the stages and the loss comes from
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -46,8 +47,8 @@ def train_step(pipe, optimizer, micro_batches, grid, args):
         data_parallel.average_gradients(params, grid.dp_group)     # mean over the dp pipelines
     grad_norm = pipeline.clip_grad_norm_pp(params, args.grad_clip, grid.pp_group)   # ‖g‖² summed over stages
     optimizer.step()
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group, grid.dp_group,
-                                   grid.dp_size), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
+                                   grid.dp_group, grid.dp_size), grad_norm
 
 
 def build_parser():
@@ -59,8 +60,8 @@ def build_parser():
 
 def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
-    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
-                            config.tie_word_embeddings)
+    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
+                            args.grad_acc, config.tie_word_embeddings)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, pp=args.pp)
 
 
@@ -74,21 +75,23 @@ def run(args, config, dataset, grid):
     del full                                                # the other stages' layers never existed
     optimizer = optim.make_optimizer(stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, build.param_dtype(args), device)
+    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
+                       args.pp_chunks, shape, build.param_dtype(args), device)
     pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
                               split_backward=args.pp_schedule == "zb-h1")
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     if grid.rank == 0:
         per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
-                                                           build.activation_element_bytes(args), args.recompute)
-        memory.print_report(stages, optimizer, per_micro_batch * held // (grid.pp_size * args.pp_chunks), args,
-                            config, f"memory of rank 0 (dp {grid.dp_size}, pp {grid.pp_size}, "
-                                    f"activations of {held} micro-batch·chunks held)")
+                                                           build.activation_element_bytes(args),
+                                                           args.recompute)
+        memory.print_report(stages, optimizer, per_micro_batch * held // (grid.pp_size * args.pp_chunks),
+                            args, config, f"memory of rank 0 (dp {grid.dp_size}, pp {grid.pp_size}, "
+                                          f"activations of {held} micro-batch·chunks held)")
     step = functools.partial(train_step, pipe, optimizer, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
-        records = loop.train(args, step, stages, optimizer, dataset, metrics.flops_per_token(config, args.seq_len),
-                             grid=grid, layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks})
+        records = loop.train(args, step, stages, optimizer, dataset,
+                             metrics.flops_per_token(config, args.seq_len), grid=grid,
+                             layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks})
     if grid.rank == 0 and records:
         print(meter.table(f"communication of rank 0 over {len(records)} steps"))
     events = timeline.report(args, grid, pipe.events)      # the last step: bubble, picture

@@ -22,7 +22,8 @@ more than the layer inputs that full recomputation alone keeps).
 
 `split_weight_gradients(stages, store)` applies it from outside: 04's parallel linears get their
 `linear_fn` swapped, every plain nn.Linear (q/k/v/o, gate/up/down, lm_head, 07's router and experts)
-its forward. Shape legend: N tokens (…), in / out the layer's input / output features.
+its forward. New compared with 1F1B: the backward in two passes (`train_step_zb_h1` orders them).
+Shape legend: N tokens (…), in / out the layer's input / output features.
 """
 import contextlib
 import functools

@@ -1,44 +1,20 @@
 """Expert parallelism: each rank keeps E/ep experts; tokens travel to their experts by all-to-all.
 
-Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all");
-GShard (Lepikhin et al. 2020), DeepSpeed-MoE, Megatron-core's all-to-all token dispatcher. EP is
-carved out of data parallelism (02's process grid; [PB] §2.7 "EP as a sub-case of DP"): the dp ranks
-form dp/ep blocks of ep consecutive ranks (`ep_group`); rank r of a block owns experts
-[r·E/ep, (r+1)·E/ep) and reads its own slice of the batch, so attention and the router never run
-redundantly. In each MoE layer, after the router has sorted a rank's rows (token-choices) by expert:
+Playbook §2.7 and §2.8 (4) ("the key communication of EP is all-to-all"); GShard (Lepikhin et al.
+2020), DeepSpeed-MoE, Megatron-core's all-to-all token dispatcher. EP is carved out of data parallelism
+(02's process grid; §2.7 "EP as a sub-case of DP"): rank r of an `ep_group` owns experts
+[r·E/ep, (r+1)·E/ep) and reads its own slice of the batch. In each MoE layer, once the router has
+sorted a rank's rows (token-choices) by expert: the counts are exchanged, the rows dispatched to their
+experts' owners by an uneven all-to-all, and the outputs combined back by the reverse one (`AllToAll`:
+its backward is the same exchange with the splits swapped).
 
-    counts   (ep, E/ep) rows for each rank's experts --all-to-all--> rows each rank sends to mine
-    dispatch rows (n, C) --all-to-all (uneven)--> (Σ received, C); the local experts run on them
-    combine  outputs --the reverse all-to-all--> (n, C) back on the token's rank, weighted there
-
-`AllToAll` is one autograd Function: forward exchanges with the given splits, backward sends the
-gradients back with the splits swapped, so dispatch's backward is a combine and vice versa.
-
-Communication per rank, per MoE layer and micro-batch, in bytes (comm.py's all-to-all convention:
-the bytes a rank sends to the others), with s_out = this rank's rows routed to experts on other
-ranks, s_in = the other ranks' rows routed to this rank's experts, b bytes per element (2 under
-bf16 autocast: moe.py casts the rows before they leave, as the experts' matmuls would):
-    forward   dispatch s_out·C·b + combine s_in·C·b + counts 8·(ep−1)·E/ep
-    backward  combine⁻¹ s_out·C·b + dispatch⁻¹ s_in·C·b
-    total     2·(s_out + s_in)·C·b + 8·(ep−1)·E/ep  ≈ 4·N·k·C·b·(ep−1)/ep when routing is uniform
-(the cheat-sheet's "× num_layers, fwd: all2all activations, bwd: all2all grads"; 5 calls).
-Overlap with the expert compute (§4.2), balanced load: t_comm = 2·N·k·C·b·(ep−1)/(ep·bw) per
-direction, t_compute = 2·N·k·3·C·F/flops, so t_comm/t_compute = (ep−1)·b·flops/(3·ep·F·bw); with
-F = 4C and bw in elements/s, (ep−1)·flops/(12·ep·C·bw). The cheat-sheet writes num_experts where ep
-stands: the two agree only at one expert per rank (dropless top-k computes N·k rows per rank
-whatever E is).
-
-Memory per rank: expert parameters, gradients and AdamW states are 1/ep of the model's; the rest
-is replicated as in DP. Gradients (the loss is L = (1/dp)·Σ_r L_r, the mean of the ranks' means):
-    dense weights   ∇L = mean over the dp group of ∇L_r                   (02's average_gradients)
-    expert weights  backward through the all-to-alls already gives the owner Σ_{r in ep group} ∇L_r;
-                    the dp/ep replicas (`expert_dp_group`) hold disjoint ep groups' sums, so
-                    ∇L = (1/dp)·Σ_{expert_dp} — a sum, then 1/dp (not 1/(dp/ep), the group's size)
-Under 08's context parallelism the replicas are cp·dp (L = (1/(cp·dp))·Σ_{c,d} L_{c,d}); the cp ranks of
-one dp rank hold the same experts in different ep groups (expert_dp spans cp too), so: dense averaged
-over cp_dp, experts summed over expert_dp (cp·dp/ep ranks) and divided by cp·dp. Here cp = 1.
-Errata: the cheat-sheet's "BP"/"ep: context parallelism" mean expert parallelism (E2); DeepSeek-V3
-trains with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP, without TP (E3).
+Per rank, MoE layer and micro-batch (s_out rows sent to other ranks, s_in received, b bytes each):
+    2·(s_out + s_in)·C·b + 8·(ep−1)·E/ep bytes ≈ 4·N·k·C·b·(ep−1)/ep for uniform routing (5 calls)
+Gradients, with L the mean of the dp ranks' losses: dense weights averaged over dp; an expert's owner
+already holds the sum over its ep group, so expert gradients are summed over the replicas holding the
+same experts (`expert_dp_group`) and divided by dp (08: cp·dp). Expert parameters, gradients and AdamW
+states are 1/ep per rank. The overlap ratio (ep−1)·b·flops/(3·ep·F·bw), the derivations and errata E2
+and E3 (the cheat-sheet's ep glossary, DeepSeek-V3's layout): 07_expert_parallel/README.md.
 
 API: check_expert_parallel(num_experts, ep, dp) before any process group; apply_expert_parallel
 (model, grid) after moe.apply_moe; sync_gradients and clip_grad_norm_ep in the step.
@@ -87,10 +63,10 @@ class AllToAll(torch.autograd.Function):
 def expert_parallel_experts(experts, rows, counts, group):
     """The MoE block's experts_fn under EP: rows (n, C) grouped by expert, counts (E,) -> (n, C)."""
     ep = dist.get_world_size(group)
-    send_counts = counts.view(ep, -1)                                      # (ep, E/ep): rows for rank j's experts
-    recv_counts = all_to_all_rows(send_counts, [1] * ep, [1] * ep, group)   # (ep, E/ep): rows from rank j for mine
+    send_counts = counts.view(ep, -1)                                      # (ep, E/ep): to rank j's experts
+    recv_counts = all_to_all_rows(send_counts, [1] * ep, [1] * ep, group)   # (ep, E/ep): from rank j to mine
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    received = AllToAll.apply(rows, recv_splits, send_splits, group)        # (Σ recv, C): by source, then expert
+    received = AllToAll.apply(rows, recv_splits, send_splits, group)        # (Σ recv, C): source, expert
     local = torch.arange(recv_counts.shape[1], device=rows.device)
     expert_of_row = local.repeat(ep).repeat_interleave(recv_counts.flatten())   # (Σ recv,) local expert index
     order = expert_of_row.argsort(stable=True)                             # group the sources' rows by expert
@@ -152,7 +128,7 @@ def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None
     dense_norm = (dense_norm or (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps
                                                                             if p.grad is not None])))(dense)
     expert_sq = torch.nn.utils.get_total_norm([p.grad for p in expert_params]).pow(2)
-    dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=ep_group)        # (): Σ over the ep group's experts
+    dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=ep_group)        # (): Σ over the ep group
     if pp_group is not None:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=pp_group)    # (): Σ over the stages
     total = (dense_norm.pow(2) + expert_sq).sqrt()

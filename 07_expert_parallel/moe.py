@@ -1,38 +1,23 @@
 """Mixture of experts: the MLP of every decoder layer replaced by E SwiGLU experts and a router.
 
-Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et
-al. 2021 §2.2; DeepSeek-V3 §2.1.2). For each token x (C,):
+Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et al. 2021 §2.2; DeepSeek-V3
+§2.1.2). For each token x (C,):
 
-    p = softmax(x · Wgᵀ)                 (E,)   router probabilities (`mlp.gate`), in float32
-    S = top-k indices of p               the k experts this token is sent to
-    w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2)     Mixtral renormalises the k chosen probabilities to sum to 1
-    w_e = p_e                (k = 1)     Switch (§2.1): renormalising one probability would give 1 and
-                                         leave the router no gradient from the task loss
-    y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP: down(silu(gate(x)) · up(x))
+    p = softmax(x · Wgᵀ)   (E,), in float32;   S = top-k indices of p
+    w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2, Mixtral);   w_e = p_e  (k = 1, Switch: the router keeps a gradient)
+    y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP
 
-Dropless: every token reaches its k experts whatever the load (no capacity factor, no dropped
-tokens), so the layer is an exact function of its input and any split of the batch gives the same
-numbers. Each token costs k expert MLPs, so the active parameters per token are those of the dense
-model plus (k−1)·3·C·F + C·E per layer, while the stored ones grow by (E−1)·3·C·F + C·E per layer.
+Dropless (no capacity factor, no dropped tokens): the layer is an exact function of its input, so any
+split of the batch gives the same numbers. Load balancing (Switch's auxiliary loss, α =
+`--aux-loss-coef`), per sequence of T tokens (DeepSeek-V3's sequence-wise loss, so that no split of
+the batch changes it):
 
-Load balancing (Switch's auxiliary loss, `--aux-loss-coef` α), per sequence of T tokens:
-    f_i = (1/(T·k)) · #{choices of the sequence routed to i}     P_i = (1/T) · Σ_t p_i(t)
-    aux = E · Σ_i f_i · P_i          (1 when perfectly balanced; gradients flow through P only)
-and the optimised loss is cross-entropy + α · Σ_layers mean_over_sequences(aux). The statistics are
-per sequence (DeepSeek-V3's "sequence-wise balance loss") on purpose: a batch-wide f and P would
-depend on which sequences share a micro-batch, so data parallelism or gradient accumulation would
-change the loss unless f and P were all-reduced over ranks and micro-batches (impossible across
-micro-batches whose backward has already run). Per sequence, the mean over the global batch is the
-same however it is split: every micro-batch holds whole sequences and the same number of them.
-Context parallelism (08) splits each sequence over the cp ranks: a block's `stats_group` (None here)
-makes it sum the counts and Σ_t p_i(t) over that group before forming f and P (`SumOverRanks`).
+    f_i = #{choices routed to i}/(T·k),   P_i = Σ_t p_i(t)/T,   aux = E · Σ_i f_i · P_i
 
-API (used by 07's train.py and available to 08):
-    apply_moe(model, num_experts, top_k, aux_loss_coef, seed, upcycle=False) -> list of MoE blocks
-    split_parameters(model) -> (dense params, expert params)
-An MoE block's `experts_fn(experts, rows, counts)` computes the experts on rows grouped by expert;
-expert_parallel.py swaps it for the all-to-all version. Parameter names follow Mixtral/OLMoE:
-`model.layers.{l}.mlp.gate.weight`, `model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight`.
+and the block returns (y, α·aux), which every layer returns and the model adds to the task loss. Under
+08's context parallelism `stats_group` sums the statistics over the cp ranks first (`SumOverRanks`).
+`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert (expert_parallel.py swaps
+in the all-to-all version). Derivations, upcycling, parameter names: 07_expert_parallel/README.md.
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2        # the single-device MoE
 
@@ -97,7 +82,7 @@ def load_balancing_loss(probs, chosen, stats_group=None):
     routed = probs.new_zeros(B, E).scatter_add_(1, chosen.view(B, T * k), ones)   # (B, E) choices per expert
     prob_sum = probs.sum(dim=1)                                              # (B, E)
     if stats_group is not None:
-        dist.all_reduce(routed, group=stats_group)                           # (B, E) whole sequences; no gradient
+        dist.all_reduce(routed, group=stats_group)                           # (B, E) whole sequences; no grad
         prob_sum = SumOverRanks.apply(prob_sum, stats_group)                 # (B, E)
         T = T * dist.get_world_size(stats_group)                             # the whole sequence's tokens
     f = routed / (T * k)                                                     # (B, E), rows sum to 1

@@ -16,7 +16,7 @@ other ranks than the dense ones (`sync_gradients`), and the norm counts each exp
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 import os
@@ -69,10 +69,12 @@ def expert_memory(args, config, model, ep):
     """The experts this rank holds, measured, beside E·L·3·C·F elements / ep."""
     _, experts = moe.split_parameters(model)
     element = experts[0].element_size()
-    total = args.num_experts * config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size * element
+    total = (args.num_experts * config.num_hidden_layers * 3 * config.hidden_size * config.intermediate_size
+             * element)
     held = len(moe.moe_blocks(model)[0].experts)
     return (f"experts per rank: {held} of {args.num_experts} per layer, parameters "
-            f"{memory.tensor_bytes(experts) / 2**20:.2f} MiB measured, E·L·3·C·F/ep = {total / ep / 2**20:.2f} MiB")
+            f"{memory.tensor_bytes(experts) / 2**20:.2f} MiB measured, "
+            f"E·L·3·C·F/ep = {total / ep / 2**20:.2f} MiB")
 
 
 def run(args, config, dataset, grid):
@@ -88,16 +90,19 @@ def run(args, config, dataset, grid):
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)
-        memory.print_report(model, optimizer, activations, args, config, f"memory per rank (dp {grid.dp_size}, "
+        memory.print_report(model, optimizer, activations, args, config,
+                            f"memory per rank (dp {grid.dp_size}, "
                             f"ep {grid.ep_size}; activations: the dense Llama's estimate)")
         print(expert_memory(args, config, model, grid.ep_size))
-    flops = moe.flops_per_token(metrics.flops_per_token(config, args.seq_len), config, args.num_experts, args.top_k)
+    flops = moe.flops_per_token(metrics.flops_per_token(config, args.seq_len), config, args.num_experts,
+                                args.top_k)
     step = functools.partial(train_step, model, optimizer, dense=dense, experts=experts, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset, flops, grid=grid,
                              layout={"dp": grid.dp_size, "ep": grid.ep_size})
     if grid.rank == 0 and grid.world_size > 1 and records:
-        print(meter.table(f"communication per rank per step (average of {len(records)} steps)", steps=len(records)))
+        print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
+                          steps=len(records)))
     return records, model, meter
 
 

@@ -1,31 +1,21 @@
 """ZeRO-1 in the 5D trainer (`--zero-stage 1`): the optimizer states sharded over the data-parallel ranks.
 
-Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"), Megatron-LM's
-distributed optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters: its tp
-shards of its stage's layers. The N = cp·dp ranks that hold the same ones (`cp_dp_group`) split them as
-03 does: 03's flat units (the embedding, each decoder layer, the final norm, the head of the stage chunks
-this rank holds), each padded to a multiple of N, of which rank r owns the slice r. AdamW (01's) steps
-only that slice, in the parameters' dtype (fp32 under bf16 autocast: 01's master weights), then the slices are
-all-gathered back into the model. Experts (07) live on fewer ranks: a second set of units, one per MoE
-block's experts, is sharded over the N/ep ranks that hold them (`expert_dp_group`: dp/ep and cp), where
-the gradient is the sum divided by N (07's rule), not the mean. After the last micro-batch:
+Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"), Megatron-LM's distributed
+optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters; the N = cp·dp ranks
+that hold the same ones (`cp_dp_group`) split them with 03's flat units (the embedding, each decoder
+layer, the final norm, the head of the stage chunks this rank holds), and AdamW (01's) steps only this
+rank's slice. The experts form units of their own, sharded over the N/ep ranks that hold them
+(`expert_dp_group`), whose gradient is the sum divided by N (07's rule). After the last micro-batch:
 
-    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N (experts too)
+    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N
     -> clip by the whole model's norm        ->  AdamW on the shards  ->  all-gather (U/N,) -> (U,)
 
-The norm is the full model's, and nothing is counted twice. The shards of one rank's weights are
-disjoint pieces (summed over dp); the tp-sharded weights are disjoint pieces too (summed over tp),
-the tp-replicated ones are equal on every tp rank (counted once, as 04's `clip_grad_norm_tp` does); each
-expert lives on one ep rank (summed over ep, experts.py's rule); the stages hold disjoint layers:
-    ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖sharded‖² + Σ_dp ‖replicated‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
+    ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖tp-sharded shard‖² + Σ_dp ‖replicated shard‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
 
-Memory per rank (bytes, e per element, Ψ = this rank's padded parameters, 03's units): weights eΨ,
-gradients eΨ, AdamW states 2eΨ/N (experts: /(N/ep)). The planner's ZeRO-1 row (planner.py) counts the
-parameters without 03's padding (fewer than N elements per unit), which the test layouts do not need.
-Wire bytes per rank per step in the dp group (02's ring convention): reduce-scatter + all-gather
-2·(N−1)/N·eΨ, DP's all-reduce volume (03), plus the all-reduce of the two norm squares (sharded,
-replicated; one more for the experts over expert_dp). Checkpoints (01's checkpoint.py) hold each
-rank's parameters and its optimizer shard; --resume checks the layout, the zero stage included.
+Memory per rank (e bytes per element, Ψ this rank's padded parameters): weights eΨ, gradients eΨ,
+AdamW states 2eΨ/N (experts: /(N/ep)). Wire bytes per step in the dp group: 2·(N−1)/N·eΨ, DP's
+all-reduce volume (03), plus the norm squares. Derivation: 08_5d_combined/README.md. Stages 2 and 3 are
+refused (`check_zero_stage` says why).
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
 
@@ -43,11 +33,11 @@ moe = import_module("07_expert_parallel.moe")
 def check_zero_stage(zero_stage: int):
     """Before any process group: 08 composes ZeRO-1 only."""
     if zero_stage > 1:
-        raise ValueError(f"--zero-stage {zero_stage} is not composed in 08: 03's stages 2-3 reduce-scatter (and "
-                         "stage 3 gathers) from hooks that fire once per unit per backward, while the pipeline "
-                         "schedules run one partial backward per micro-batch and chunk (ZB-H1 splits each into B "
-                         "and W) and SP sums the norm gradients over tp afterwards; use --zero-stage 1 here, or "
-                         "03_zero/train.py --zero-stage 2/3 (data parallelism alone)")
+        raise ValueError(f"--zero-stage {zero_stage} is not composed in 08: 03's stages 2-3 reduce-scatter "
+                         "(and stage 3 gathers) from hooks that fire once per unit per backward, while the "
+                         "pipeline schedules run one partial backward per micro-batch and chunk (ZB-H1 "
+                         "splits each into B and W) and SP sums the norm gradients over tp afterwards; use "
+                         "--zero-stage 1 here, or 03_zero/train.py --zero-stage 2/3 (data parallelism alone)")
 
 
 def stage_units(stages):
@@ -87,7 +77,8 @@ class DistributedOptimizer:
             z.zero_gradients()
 
     def finish_gradients(self):
-        """After the last micro-batch (and SP's norm sum): reduce-scatter over the ranks with the same weights."""
+        """After the last micro-batch (and SP's norm sum): reduce-scatter over the ranks with the same
+        weights."""
         for z in self.zeros:
             z.finish_gradients()
 

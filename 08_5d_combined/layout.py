@@ -10,6 +10,9 @@ model, in this order (each needs the previous one's result):
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
 (1, the kernels, happen in 01's build_model; 6, DP or ZeRO-1, in the step.)
+
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
+New compared with 05's layout.py: every folder's rules and transforms, in one order.
 """
 import os
 from importlib import import_module
@@ -33,8 +36,8 @@ def build_parser(description):
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
     moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
-                        help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp ranks "
-                             "(03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
+                        help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp "
+                             "ranks (03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
     return parser
 
 
@@ -47,11 +50,12 @@ def check_layout(args, config):
 def check_degrees(args, config):
     """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
     experts.check_experts(args)
-    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule, args.grad_acc,
-                            config.tie_word_embeddings)
+    pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
+                            args.grad_acc, config.tie_word_embeddings)
     sequence_layout.check_sequence_layout(args, config)
     tensor_parallel.check_tensor_parallel(config, args.tp)
-    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.pp, args.cp, args.tp, args.ep)
+    process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.pp, args.cp, args.tp,
+                             args.ep)
 
 
 def parallelize(full, args, grid, device):
@@ -59,8 +63,8 @@ def parallelize(full, args, grid, device):
     sequence_layout.parallelize(full, args, grid)                          # 2. TP (+ SP), 3. CP (05)
     if args.num_experts:                                                   # 3b. MoE, EP (07)
         experts.apply_experts(full, args, grid)
-    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(grid.cp_rank, args.seq_len,
-                                                                                 device)   # (T/cp,) its tokens
+    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(
+        grid.cp_rank, args.seq_len, device)                                  # (T/cp,) this rank's tokens
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
     recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
     return stages

@@ -2,62 +2,31 @@
 
 Playbook chapter 3 (finding the best configuration), App. 5.3 and its cheat-sheet (overlap ratios),
 ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (communication), the ZB paper
-§3.1 (bubble). Give it the model (the train.py flags), the batch and the degrees; it prints per rank
-(per pipeline stage: the first holds the embedding, the last the head and the loss):
+§3.1 (bubble). Give it the model (the train.py flags), the batch and the degrees; it checks the layout
+with the trainers' own rules and prints, per rank of the first and last pipeline stage:
 
-  memory (GB = 1e9 bytes; MB = 1e6 for small models)
-                           Ψ = this rank's parameters (TP shards, its pp stage's layers, ep's experts);
-                           N = dp·cp ranks hold the same weights (ZeRO shards over them, N/ep for experts)
-      --precision mixed  2Ψ bf16 weights + 2Ψ bf16 gradients + 12Ψ fp32 master, m, v: the ZeRO paper's
-                         16 B/param (K = 12). The cheat-sheet's 18 B adds fp32 gradients (E8): not used.
-      --precision fp32   4Ψ + 4Ψ + 8Ψ: what this project's float32 runs hold (train.py measures it);
-                         fp64 doubles it (the --dtype float64 runs of the tests)
-      ZeRO-1 shards the optimizer states over N, ZeRO-2 the gradients too, ZeRO-3 the weights too
-      (train.py runs ZeRO-1: distributed_optimizer.py; the planner counts no padding of 03's units).
-      activations: 01's memory.activation_bytes_estimate (Korthikanti: none s·b·h·(34 + 5as/h), TP
-      s·b·h·(10 + 24/t + 5as/(ht)), TP+SP s·b·h·(34 + 5as/h)/t, selective: the same without the 5as/h
-      terms, full 2·s·b·h;
-      s → s/cp), for one chunk's layers × the micro-batch·chunks the schedule holds (06's peak_held),
-      plus the last stage's fp32 softmax of the vocab-parallel loss, b·(s/cp)·(V/t)·4 per held micro-batch.
-  communication per step (bytes this rank sends, 02's ring convention; e = bytes per element, m = grad-acc,
-  s_r = s/cp tokens per rank, L_r = layers on the rank, first/last = 1 on that stage):
-      tp  m·(8·L_r + 2·first + 2·last)·(t−1)/t·b·s_r·h·e            (04/05: f/f̄ or g/ḡ, same bytes)
-          + m·last·3·2(t−1)/t·b·s_r·4 (loss statistics) + SP's norm gradients 2(t−1)/t·(2h·L_r + h·last)·e
-          + full recompute: the forward's half again (ZB-H1's W passes communicate nothing: 06's zero_bubble.py)
-      cp  ring: m·L_r·(3cp − 2 [+ cp − 1 recomputed])·2·b·s_r·(h_kv/t)·max(e, 4)   (05, fp32 blocks)
-          ulysses: m·L_r·2[+1]·(cp−1)/cp·b·s_r·(2h + 2h_kv)/t·e
-          + with experts, the load-balancing statistics (07's moe.py, in fp32 or fp64): all-reduces of
-          (b, E) counts and probability sums forward, of the sums' gradient backward (α > 0; the forward's
-          two again under full recompute), m·L_r·(3 [+2])·2(cp−1)/cp·b·E·4 (fp64: 8)
-      pp  m·(2V − first − last)·b·s_r[/t under SP]·h·e                 (06)
-      dp  ZeRO-0/1 2(N−1)/N·Ψ·e, ZeRO-2 (m+1)(N−1)/N·Ψ·e, ZeRO-3 3m(N−1)/N·Ψ·e    (02, 03)
-          (+ with ZeRO, the all-reduce of the shards' two norm squares; one more for the experts)
-      ep  m·L_r·4·(ep−1)/ep·b·s_r·h·top_k·e   (07's dispatch + combine all-to-alls, forward and backward,
-          for balanced routing). With experts the MLP has no TP collectives (tp: 4·L_r, not 8·L_r), the
-          experts are E/ep per rank and not split by tp (experts.py), their gradients are summed over
-          the dp/ep ranks that hold the same ones, and the logged loss is summed over the stages
-      (+ the few scalar all-reduces of the loss and the gradient norm, so the totals equal the meter)
-  bubble: 06's theory, (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1.
-  overlap t_comm/t_compute (playbook App. 5.3; ≤ 1 means the communication can hide behind compute),
-  peak in FLOP/s, bandwidth in bytes/s, so each ratio carries e:
-      dp    e·(N−1)/(2·N·tokens)·peak/bw    tokens = b·s_r (the last micro-batch's backward: no_sync)
-            E6: the playbook's num_params/(2·num_tokens)·… is dimensionally wrong; num_params cancels
-      zero3 e·(N−1)/N/(2·b·s_r)·peak/bw
-      tp    e·(t−1)/(2h)·peak/bw            E9: the appendix's per-linear form (the cheat-sheet's
-                                            (t−1)/(24h) overlaps a whole block, 12× more compute)
-      pp    e·peak/(32·h·L_chunk·bw)
-      cp    e·cp·h_kv/(2·s·h)·peak/bw       one K/V block hop against one block of attention tiles
-      ep    e·(ep−1)/(3·ep·F)·peak/bw       07's derivation: the cheat-sheet's (ep−1)/(12·E·h) has E where
-                                            ep stands (equal at one expert per rank; F = 4h gives 12h)
-  A dimension uses --bw-intra if its group fits inside a node (--gpus-per-node; rank order [TP, CP, PP, DP])
-  else --bw-inter. Layouts are checked with the trainers' own rules; --gpu-mem flags what does not fit.
+  memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
+             2 + 2 + 12 bytes, not the cheat-sheet's 18, E8; fp32: 4 + 4 + 8), ZeRO-1/2/3 sharding
+             over the N = dp·cp ranks; activations by 01's Korthikanti estimate for the micro-batches
+             the schedule holds; the last stage's fp32 logits
+  traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
+  bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1
+  overlap    t_comm/t_compute per dimension (App. 5.3), e.g. dp e·(N−1)/(2N·tokens)·peak/bw (E6: the
+             playbook's form is dimensionally wrong) and tp e·(t−1)/(2h)·peak/bw (E9), intra- or
+             inter-node by the rank order [TP, CP, PP, DP]; EXPOSED where a ratio exceeds 1
+
+Every formula, term by term: 08_5d_combined/README.md. tests/test_5d_combined.py checks the bytes and
+the states against what the trainer's ranks really hold and send.
 
     python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 \\
-        --pp 2 --zero-stage 1 --recompute selective --gpu-mem 80 --peak-tflops 989 --bw-intra 450 --bw-inter 50
+        --pp 2 --zero-stage 1 --recompute selective --gpu-mem 80 --peak-tflops 989 --bw-intra 450 \\
+        --bw-inter 50
+
+New compared with 02-07: their formulas gathered into one plan of any layout, ZeRO-2/3 included.
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import contextlib
 import os
@@ -115,7 +84,7 @@ def stage_parameters(config, layout: Layout, stage: int):
         dense += layers * h * layout.num_experts
         expert = layers * 3 * h * f * layout.num_experts // layout.ep
     else:
-        dense += layers * 3 * h * f // t                                     # gate, up (F/t, C); down (C, F/t)
+        dense += layers * 3 * h * f // t                                  # gate, up (F/t, C), down (C, F/t)
     first, last = stage == 0, stage == layout.pp - 1
     dense += first * V * h // t + last * (h + (0 if config.tie_word_embeddings and first else V * h // t))
     return dense, expert
@@ -126,7 +95,8 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     dense, expert = stage_parameters(config, layout, stage)
     n = layout.dp * layout.cp
     states = [a + b for a, b in zip(model_states(dense, n, layout.zero_stage, layout.precision),
-                                    model_states(expert, max(n // layout.ep, 1), layout.zero_stage, layout.precision))]
+                                    model_states(expert, max(n // layout.ep, 1), layout.zero_stage,
+                                                 layout.precision))]
     e = ACTIVATION_BYTES[layout.precision]
     chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
                             num_hidden_layers=config.num_hidden_layers // (layout.pp * layout.chunks))
@@ -134,7 +104,8 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     activations = held * memory.activation_bytes_estimate(chunk, mbs, seq_len, e, layout.recompute,
                                                           tp=layout.tp, sp=layout.sp, cp=layout.cp)
     last_held = schedules.peak_held(layout.schedule, layout.pp, layout.pp - 1, grad_acc, layout.chunks)
-    logits = (stage == layout.pp - 1) * last_held * mbs * seq_len // layout.cp * config.vocab_size // layout.tp * 4
+    logits = ((stage == layout.pp - 1) * last_held * mbs * seq_len // layout.cp * config.vocab_size
+              // layout.tp * 4)
     return dict(parameters=states[0], gradients=states[1], optimizer=states[2], activations=activations,
                 logits=logits, held=held)
 
@@ -147,9 +118,9 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     first, last = stage == 0, stage == p - 1
     layers = config.num_hidden_layers // p
     tokens = mbs * seq_len // cp                                             # b·s_r
-    ring = lambda n, k: 2 * (n - 1) * k // n                                 # all-reduce wire bytes  # noqa: E731
+    ring = lambda n, k: 2 * (n - 1) * k // n                       # all-reduce wire bytes  # noqa: E731
     norm_bytes = max(STATE_BYTES[layout.precision][1], 4)                    # ‖g‖² in fp32, or fp64
-    scalar = lambda n: ring(n, norm_bytes)                                   # the gradient-norm squares  # noqa: E731
+    scalar = lambda n: ring(n, norm_bytes)                         # the gradient-norm squares  # noqa: E731
     comm = {}
     # --- tensor parallelism (+ SP) ---
     per_layer = 4 if layout.num_experts else 8                               # attention (+ the dense MLP)
@@ -170,7 +141,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
         comm["cp"] = m * layers * passes * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
     else:
         comm["cp"] = 0
-    if cp > 1 and layout.num_experts:   # f's counts and P's sums, (b, E) each, and P's gradient, per MoE layer
+    if cp > 1 and layout.num_experts:   # f's counts, P's sums ((b, E) each) and P's gradient, per MoE layer
         calls = 3 + 2 * (layout.recompute == "full")
         comm["cp"] += m * layers * calls * ring(cp, mbs * layout.num_experts * norm_bytes)
     # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
@@ -183,13 +154,15 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     grads = dense * STATE_BYTES[layout.precision][1]
     factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
     shard_norms = ring(n, 2 * norm_bytes) if layout.zero_stage else 0        # ZeRO: Σ_dp of the shards' ‖g‖²
-    comm["dp"] = factor * (n - 1) * grads // n + ring(n, 8) + shard_norms if n > 1 else 0   # + the logged loss
+    comm["dp"] = (factor * (n - 1) * grads // n + ring(n, 8) + shard_norms     # ring(n, 8): the logged loss
+                  if n > 1 else 0)
     n_expert = n // layout.ep                                                # ranks holding the same experts
     comm["dp"] += factor * (n_expert - 1) * expert * STATE_BYTES[layout.precision][1] // n_expert
     comm["dp"] += scalar(n_expert) if layout.zero_stage and layout.num_experts else 0
     # --- expert parallelism ---
     routed = tokens * h * layout.top_k * e                                   # b·s_r·h·k·e bytes of rows
-    comm["ep"] = m * layers * 4 * (layout.ep - 1) * routed // layout.ep + scalar(layout.ep) if layout.num_experts else 0
+    comm["ep"] = (m * layers * 4 * (layout.ep - 1) * routed // layout.ep + scalar(layout.ep)
+                  if layout.num_experts else 0)
     return comm
 
 
@@ -210,7 +183,8 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
     if layout.cp > 1:
         ratios["cp"] = e * layout.cp * h_kv / (2 * seq_len * h) * peak_flops / bw["cp"]
     if layout.num_experts and layout.ep > 1:
-        ratios["ep"] = e * (layout.ep - 1) / (3 * layout.ep * config.intermediate_size) * peak_flops / bw["ep"]
+        ratios["ep"] = (e * (layout.ep - 1) / (3 * layout.ep * config.intermediate_size) * peak_flops
+                        / bw["ep"])
     return ratios
 
 
@@ -236,12 +210,14 @@ def build_parser():
 def layout_of(args) -> Layout:
     return Layout(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, cp_attn=args.cp_attn, pp=args.pp,
                   schedule=args.pp_schedule, chunks=args.pp_chunks, ep=args.ep, num_experts=args.num_experts,
-                  top_k=args.top_k, zero_stage=args.zero_stage, recompute=args.recompute, precision=args.precision)
+                  top_k=args.top_k, zero_stage=args.zero_stage, recompute=args.recompute,
+                  precision=args.precision)
 
 
 @contextlib.contextmanager
 def world_size(n: int):
-    """The trainers check the degrees against WORLD_SIZE (torchrun's); the planner's world is their product."""
+    """The trainers check the degrees against WORLD_SIZE (torchrun's); the planner's world is their
+    product."""
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(n)
     try:
@@ -258,12 +234,12 @@ def main(argv=None):
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
         config = cli.model_config(args, data.load_tokenizer(args.tokenizer).vocab_size)   # shapes only
         with world_size(world):
-            layout_rules.check_degrees(args, config)        # the trainer's --zero-stage is 0 or 1; all are planned
+            layout_rules.check_degrees(args, config)   # the trainer's --zero-stage is 0 or 1; all are planned
         process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
     except ValueError as error:
         parser.error(str(error))
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
-    total = sum(stage_parameters(config, Layout(num_experts=args.num_experts), 0))   # the whole model, one rank
+    total = sum(stage_parameters(config, Layout(num_experts=args.num_experts), 0))   # whole model, one rank
     print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
           f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
           f"({'+'.join(map(str, STATE_BYTES[args.precision]))} bytes/param)")

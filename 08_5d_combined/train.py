@@ -9,18 +9,19 @@ shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_gr
 global batch's mean loss, the same number as 01's (07's with experts).
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
-    torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 --grad-acc 4
-    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 --grad-acc 2
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 \\
+        --grad-acc 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
 first rank of each stage per process group, and the bubble of the last step. Not composed: ZeRO-2/3
 (the planner does their arithmetic; distributed_optimizer.check_zero_stage says why) and experts with --sp.
+New in the step compared with 02-07: nothing but their composition, written out in device order.
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import functools
 from importlib import import_module
@@ -63,7 +64,7 @@ def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, exper
     if zero1:                                        # 03: reduce-scatter over cp×dp (experts: expert_dp)
         zero1.finish_gradients()
         grad_norm = zero1.clip_gradients(args.grad_clip)
-    elif args.num_experts:                           # 07: dense mean over cp×dp, experts Σ expert_dp / (cp·dp)
+    elif args.num_experts:                           # 07: dense mean over cp×dp, experts Σ expert_dp/(cp·dp)
         expert_parallel.sync_gradients(dense, expert_params, grid)
         grad_norm = experts.clip_grad_norm_experts(params, args.grad_clip, grid, expert_params)
     else:                                            # 02: mean over the cp×dp replicas
@@ -74,8 +75,8 @@ def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, exper
         zero1.gather_shards()                        # 03: the updated shards back into every replica
     if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group, grid.cp_dp_group,
-                                   grid.cp_size * grid.dp_size), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
+                                   grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
 
 
 def state_bytes(stages, optimizer):
@@ -95,7 +96,8 @@ def report(grid, stages, optimizer, meter, activations, steps):
     if grid.rank == 0:
         print("memory per rank, measured after the last step (MiB; activations: the playbook's estimate for "
               "the micro-batches a stage holds)")
-        print(f"  {'pp stage':<9}{'ranks':<16}{'parameters':>11}{'gradients':>11}{'optimizer':>11}{'activations':>12}")
+        print(f"  {'pp stage':<9}{'ranks':<16}{'parameters':>11}{'gradients':>11}{'optimizer':>11}"
+              f"{'activations':>12}")
         for stage in range(grid.pp_size):
             ranks = [r for r, e in enumerate(everyone) if e["coords"][1] == stage]
             (params, grads, states), act = everyone[ranks[0]]["states"], everyone[ranks[0]]["activations"]
@@ -106,12 +108,14 @@ def report(grid, stages, optimizer, meter, activations, steps):
             stage_meter = comm.CommMeter()
             for key, (calls, payload, wire) in everyone[first]["comm"].items():
                 stage_meter.calls[key], stage_meter.payload[key], stage_meter.wire[key] = calls, payload, wire
-            print(stage_meter.table(f"communication of rank {first} (pp stage {stage}) per step", steps=steps))
+            print(stage_meter.table(f"communication of rank {first} (pp stage {stage}) per step",
+                                    steps=steps))
     return everyone
 
 
 def print_grid(args, grid, config):
-    peers = {dim: dist.get_process_group_ranks(getattr(grid, f"{dim}_group")) for dim in ("tp", "cp", "dp", "ep")}
+    peers = {dim: dist.get_process_group_ranks(getattr(grid, f"{dim}_group"))
+             for dim in ("tp", "cp", "dp", "ep")}
     extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts" if args.num_experts
                                              else "") + (", zero-1" if args.zero_stage == 1 else "")
     print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
@@ -131,8 +135,8 @@ def run(args, config, dataset, grid):
                                                        else None) if args.zero_stage == 1 else None   # 6. ZeRO-1
     optimizer = optim.make_optimizer(zero1.shards if zero1 else stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, build.param_dtype(args), device)                     # (mbs, T/cp[/tp], C)
+    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
+                       args.pp_chunks, shape, build.param_dtype(args), device)     # (mbs, T/cp[/tp], C)
     pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
                               split_backward=args.pp_schedule == "zb-h1")
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
@@ -152,7 +156,8 @@ def run(args, config, dataset, grid):
     step = functools.partial(train_step, pipe, optimizer, zero1=zero1, norm_weights=norm_weights, dense=dense,
                              expert_params=expert_params, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
-        records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid, layout=checkpoint_layout)
+        records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
+                             layout=checkpoint_layout)
     everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1))
     if grid.pp_size > 1:
         timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble

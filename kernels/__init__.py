@@ -1,9 +1,9 @@
 """Triton and CUDA kernels for the Llama of 01_single_gpu (playbook chapter 4). See kernels/README.md.
 
-This file only repairs Triton's CPU interpreter (TRITON_INTERPRET=1), which the tests run on. It acts at
-import, the one moment every kernel module of this package passes through first; without the
-environment variable (every GPU run) it does nothing. Two gaps in Triton 3.6's interpreter are closed, and both
-fixes only change how the interpreter emulates the GPU, never what a kernel computes:
+This file only repairs Triton's CPU interpreter (TRITON_INTERPRET=1), which the tests run on. It acts
+at import, the one moment every kernel module of this package passes through first; without the
+environment variable (every GPU run) it does nothing. Three gaps in Triton 3.6's interpreter are
+closed, and the fixes only change how the interpreter emulates the GPU, never what a kernel computes:
 
 1. A runtime loop bound (`for start_n in range(0, hi, BLOCK_N)`) becomes a Python int through
    `int(array_of_one_element)`. NumPy 2.4 made that a TypeError. This is the upstream fix of

@@ -1,16 +1,14 @@
 """Time the Triton kernels against eager PyTorch, torch.compile and (for attention) SDPA on one GPU.
 
 Playbook chapter 4: §4.0.2 "try torch.compile first", §4.0.7 fusion, §4.0.8 FlashAttention. Timing
-follows App. 5.1.8: CUDA events around each call, after warm-up calls. Before every timed call, a
-256 MB buffer is written to evict L2 (50 MB on an H100), so the bandwidth measured is HBM's, not the
-cache's. Shapes are Llama-sized and bf16. Every kernel is timed forward only (under no_grad) and
-forward + backward:
-  memory-bound kernels (RMSNorm, SwiGLU, RoPE): effective bandwidth = the bytes the operation must
-      move at minimum / time. Minimum bytes per call, b = 2 bytes (bf16):
-          RMSNorm fwd 2·N·C·b,  bwd 3·N·C·b      SwiGLU fwd 3·N·F·b,  bwd 5·N·F·b      RoPE fwd = bwd = 2·N·C·b
-      Also shown as a fraction of the device-to-device copy bandwidth measured in the same run.
-  attention: TFLOP/s, with forward 4·B·nh·T²·hd (halved when causal) and backward 2.5× the forward
-      (the usual convention). Also shown as a fraction of an 8192³ bf16 matmul measured in the same run.
+follows App. 5.1.8: CUDA events around each call, after warm-up calls, with L2 evicted before every
+timed call (a 256 MB buffer written), on Llama-sized bf16 shapes, forward only (under no_grad) and
+forward + backward. It reports:
+  memory-bound kernels (RMSNorm, SwiGLU, RoPE): effective bandwidth = the minimum bytes the operation
+      must move / time (the per-kernel byte formulas: kernels/README.md), and the fraction of the
+      device-to-device copy bandwidth measured in the same run;
+  attention: TFLOP/s, forward 4·B·nh·T²·hd (halved when causal), backward 2.5× the forward, and the
+      fraction of an 8192³ bf16 matmul measured in the same run;
   fused linear cross-entropy: TFLOP/s of its GEMMs (2·N·V·C forward, 6·N·V·C with backward), and the
       peak extra memory of forward + backward against eager (torch.cuda.max_memory_allocated).
 
@@ -133,10 +131,11 @@ def run_all(args, timer, peaks):
     modeling = import_module("01_single_gpu.model")
     rows, memory = [], []
     take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
-    randn = lambda *s, grad=True: torch.randn(*s, device=DEVICE, dtype=DTYPE).requires_grad_(grad)  # noqa: E731
+    randn = lambda *s, grad=True: (torch.randn(*s, device=DEVICE, dtype=DTYPE)  # noqa: E731
+                                   .requires_grad_(grad))
 
     def impls(reference, triton_fn, **extra):
-        torch._dynamo.reset()    # a fresh compile per shape: no silent fallback to eager at the recompile limit
+        torch._dynamo.reset()    # a fresh compile per shape: no silent fallback to eager at the recompile cap
         out = {"eager": reference}
         if args.compile:
             out["torch.compile"] = torch.compile(reference)
@@ -161,7 +160,8 @@ def run_all(args, timer, peaks):
     for B, nh, nkv, T, hd in take(ATTN_SHAPES):
         q, k, v = randn(B, nh, T, hd), randn(B, nkv, T, hd), randn(B, nkv, T, hd)
         sdpa = {"sdpa-flash": sdpa_flash(modeling.sdpa_attention)}
-        variants = impls(lambda q, k, v: fa.attention_reference(q, k, v, True), fa.causal_flash_attention, **sdpa)
+        variants = impls(lambda q, k, v: fa.attention_reference(q, k, v, True), fa.causal_flash_attention,
+                         **sdpa)
         if T > EAGER_ATTN_MAX_T:
             variants = {k: fn for k, fn in variants.items() if k in ("sdpa-flash", "triton")}
         flops = 4 * B * nh * T * T * hd / 2                                   # causal: half the scores
@@ -199,7 +199,8 @@ def sdpa_flash(sdpa_attention):
 def write_results(meta, peaks, rows, memory):
     RESULTS.mkdir(exist_ok=True)
     stem = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(dict(meta, peaks=peaks, rows=rows, memory=memory), indent=1))
+    (RESULTS / f"{stem}.json").write_text(json.dumps(dict(meta, peaks=peaks, rows=rows, memory=memory),
+                                                     indent=1))
     lines = [f"# Kernel benchmark: {meta['device']}", "",
              f"torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}. "
              f"Written by `python kernels/bench.py`.", "",

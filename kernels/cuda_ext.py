@@ -12,9 +12,9 @@ would only measure the launch). The achieved bandwidth or FLOP rate is printed n
 
 What to expect, qualitatively: copy ≈ PyTorch's copy ≈ the HBM bandwidth. The naive transpose is
 several times slower, and the tiled one is close to the copy. The matmul ladder climbs from naive to
-coarsened and stays below cuBLAS. The block-per-row RMSNorm is far ahead of thread-per-row. No figures
-are recorded here: run it and look. Without a GPU, `bash kernels/cuda/check_compile.sh` still
-compiles every kernel.
+coarsened and stays below cuBLAS. The block-per-row RMSNorm is far ahead of thread-per-row. No
+figures are recorded here: run it and look. Without a GPU, `bash kernels/cuda/check_compile.sh`
+still compiles every kernel.
 """
 import argparse
 import sys
@@ -55,7 +55,8 @@ def rmsnorm_torch(x, w, eps):
 def cases(ext):
     """(name, ours, torch's, inputs(small: bool), tolerance, (unit, amount of work per call))."""
     def matrix(small):          # (rows, cols)
-        return (torch.randn(1000, 777, device="cuda"),) if small else (torch.randn(8192, 8192, device="cuda"),)
+        return ((torch.randn(1000, 777, device="cuda"),) if small
+                else (torch.randn(8192, 8192, device="cuda"),))
 
     def matmul_inputs(small):   # a (M, K), b (K, N)
         m, k, n = (300, 257, 199) if small else (2048, 2048, 2048)
@@ -89,7 +90,7 @@ def main(argv=None):
         ext = build(args.verbose)
     except RuntimeError as e:
         sys.exit(str(e))
-    torch.backends.cuda.matmul.allow_tf32 = False   # compare against true float32 cuBLAS, as our kernels are fp32
+    torch.backends.cuda.matmul.allow_tf32 = False   # compare with true float32 cuBLAS: our kernels are fp32
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  CUDA {torch.version.cuda}")
     print(f"{'kernel':24s} {'max |err|':>10s} {'ours ms':>9s} {'torch ms':>9s} {'ours':>14s} {'torch':>14s}")

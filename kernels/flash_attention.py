@@ -1,51 +1,27 @@
 """FlashAttention-2 forward and backward in Triton: tiled, online softmax, causal or not, GQA.
 
-What: O = softmax(Q Kᵀ · scale + mask) V for q (B, nh, T, hd) and k, v (B, nkv, T, hd). Query head h
-reads key/value head h // (nh/nkv), the `repeat_interleave` convention of grouped-query attention.
-The default scale is 1/√hd.
+What: O = softmax(Q Kᵀ · scale + mask) V for q (B, nh, T, hd) and k, v (B, nkv, T, hd); query head h
+reads key/value head h // (nh/nkv), grouped-query attention's `repeat_interleave` convention.
 
-Playbook chapter 4, FlashAttention (§4.0.8; Dao et al. 2022, Dao 2023). Naive attention writes
-the (T, T) scores S and probabilities P to HBM and reads them back, 2·B·nh·T²·b bytes each way,
-and keeps P for backward. Here one program owns a block of BLOCK_M queries. It streams K/V through
-on-chip memory in blocks of BLOCK_N keys and never writes S or P:
+Playbook chapter 4, FlashAttention (§4.0.8; Dao et al. 2022, Dao 2023). One program owns BLOCK_M
+queries and streams K/V through on-chip memory in blocks of BLOCK_N keys, never writing S or P to HBM
+(the "online softmax", Milakov & Gimelshein 2018):
 
-    for each key block j:   S_j = Q K_jᵀ · scale                      (BLOCK_M, BLOCK_N), registers only
-                            m' = max(m, rowmax(S_j))                  running row max
-                            P_j = exp(S_j - m')                       unnormalised probabilities
-                            l  = l·exp(m - m') + rowsum(P_j)          running denominator, rescaled
-                            acc = acc·exp(m - m') + P_j V_j           running numerator, rescaled
+    for each key block j:   S_j = Q K_jᵀ · scale;   m' = max(m, rowmax(S_j));   P_j = exp(S_j − m')
+                            l = l·exp(m − m') + rowsum(P_j);   acc = acc·exp(m − m') + P_j V_j
     O = acc / l,   LSE = m + log l  (the only per-row statistic kept for backward)
 
-This is the "online softmax" (Milakov & Gimelshein 2018). Every exp(m - m') factor brings the older
-blocks up to date with the new max, so the result equals softmax over the whole row.
-
-Backward (FlashAttention-2, Algorithm 2) recomputes P_j = exp(S_j - LSE) block by block instead of
-storing it (selective recomputation, §2.1, for free). With Δ = rowsum(dO ∘ O) = rowsum(dP ∘ P):
-    dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP - Δ),   dQ = dS K · scale,   dK = dSᵀ Q · scale
-  1. `_attn_bwd_preprocess`  Δ for every row (one pass over O and dO)
-  2. `_attn_bwd_dkdv_kernel` one program per key block: loops over all query blocks (and over the
-     nh/nkv query heads of its group, which sums the GQA gradient) and accumulates dK, dV in registers
-  3. `_attn_bwd_dq_kernel`   one program per query block: loops over key blocks and accumulates dQ
-Every output tile has exactly one owner program, so no atomics are needed. The price is that both
-kernels compute S = Q Kᵀ and dP = dO Vᵀ, so two of the seven GEMMs are repeated.
-
-Cost (causal halves everything):
-    FLOPs    forward 4·B·nh·T²·hd. Backward by the usual convention 10·B·nh·T²·hd (2.5× forward:
-             5 GEMMs); this kernel does 14·B·nh·T²·hd (7 GEMMs, see above)
-    memory   O(B·nh·T) extra (LSE, Δ), instead of O(B·nh·T²) for P
-    HBM      forward: each of the T/BLOCK_M query blocks of each head reads all of its K and V, so
-             ≈ 2·B·nh·T·hd·b·(T/BLOCK_M) (heads of a GQA group often hit L2), plus Q and O once
-
-Limits: hd is padded to a power of two ≥ 16 (the smallest tl.dot tile), so hd = 16/32/64/128 run at
-full efficiency and others waste the padding. Masks handle any T. Inputs are made contiguous
-(B, heads, T, hd). A strided view costs one copy. float32 inputs use exact fp32 dots ("ieee",
-not TF32), which makes the tests strict. bf16 inputs use tensor cores with fp32 accumulation.
+The backward recomputes P_j = exp(S_j − LSE) block by block (FlashAttention-2, Algorithm 2): a Δ
+preprocess, a dK/dV kernel per key block and a dQ kernel per query block, so no atomics. Extra memory
+O(B·nh·T) instead of O(B·nh·T²); forward 4·B·nh·T²·hd FLOPs (causal halves it). Derivation, cost and
+limits (hd padded to a power of two ≥ 16): kernels/README.md.
 
 Versions in this file:
     v0  attention_reference   eager: materialise S and P, float32 softmax (the model's eager path)
     v1  flash_attention       Triton FlashAttention-2: one forward, three backward kernels
 
-Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k flash (on CPU), python kernels/bench.py (GPU).
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k flash     # CPU; GPU: kernels/bench.py
+New compared with 01: replaces `sdpa_attention` as `Attention.attn_fn` (`--attn triton`, patch.py).
 Shape legend: B batch, nh query heads, nkv key/value heads, T sequence, hd head dim, b bytes per element.
 """
 import math
@@ -73,7 +49,8 @@ def attention_reference(q, k, v, causal: bool = True, scale: float = None):
 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)                          # which block of BLOCK_M queries
     pid_bh = tl.program_id(1)                         # which (batch, query head) = b·H + h
     kv_bh = (pid_bh // H) * H_KV + (pid_bh % H) // (H // H_KV)   # GQA: the group's key/value head
@@ -101,7 +78,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, HEAD_DIM: tl.constex
         kv_mask = (cols[:, None] < T) & d_ok
         k = tl.load(K + kv_ptrs, mask=kv_mask, other=0.0)                       # (BLOCK_N, BLOCK_D)
         v = tl.load(V + kv_ptrs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale       # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale       # (BLOCK_M, BLOCK_N), log2
         valid = cols[None, :] < T
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= cols[None, :])
@@ -123,7 +100,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, HEAD_DIM: tl.constex
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, DELTA, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _attn_bwd_preprocess(O, DO, DELTA, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
     # Δ_i = Σ_d dO_id·O_id. It equals Σ_j dP_ij·P_ij (since O = P V and dP = dO Vᵀ), the term that
     # softmax's Jacobian subtracts. One number per row, so dS never needs a full row of P.
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -148,7 +126,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, T
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     kv_ptrs = kv_offset + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    k = tl.load(K + kv_ptrs, mask=(offs_n[:, None] < T) & d_ok, other=0.0)     # (BLOCK_N, BLOCK_D), stays on chip
+    k = tl.load(K + kv_ptrs, mask=(offs_n[:, None] < T) & d_ok, other=0.0)     # (BLOCK_N, BLOCK_D), on chip
     v = tl.load(V + kv_ptrs, mask=(offs_n[:, None] < T) & d_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -270,8 +248,10 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def flash_attention(q, k, v, causal: bool = True, scale: float = None, block_m: int = None, block_n: int = None):
-    """v1: q (B, nh, T, hd), k/v (B, nkv, T, hd) with nkv | nh -> (B, nh, T, hd). Differentiable in q, k, v."""
+def flash_attention(q, k, v, causal: bool = True, scale: float = None, block_m: int = None,
+                    block_n: int = None):
+    """v1: q (B, nh, T, hd), k/v (B, nkv, T, hd) with nkv | nh -> (B, nh, T, hd). Differentiable in q, k,
+    v."""
     if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[0::2] != k.shape[0::2]:
         raise ValueError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "must be (B, nh, T, hd) and (B, nkv, T, hd) with nkv dividing nh")
@@ -281,7 +261,8 @@ def flash_attention(q, k, v, causal: bool = True, scale: float = None, block_m: 
     else:
         dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return FlashAttentionFunction.apply(q.to(dtype), k.to(dtype), v.to(dtype), causal, scale, block_m, block_n)
+    return FlashAttentionFunction.apply(q.to(dtype), k.to(dtype), v.to(dtype), causal, scale, block_m,
+                                        block_n)
 
 
 def causal_flash_attention(q, k, v):

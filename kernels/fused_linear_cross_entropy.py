@@ -1,40 +1,26 @@
 """Fused linear + cross-entropy: the LM-head loss without ever holding the (N, V) logits.
 
-What: loss = mean over the non-ignored tokens of -log softmax(h Wᵀ)[target], for hidden states
-h (N, C), the LM-head weight W (V, C) and targets (N,), with ignore_index = -100. The rows are
-processed in chunks of `chunk` tokens:
+What: loss = mean over the non-ignored tokens of −log softmax(h Wᵀ)[target], for hidden states h (N, C),
+the LM-head weight W (V, C) and targets (N,), ignore_index = −100, processed in chunks of `chunk` rows:
+
     logits_c = h_c Wᵀ                       (chunk, V)   torch GEMM, upcast to float32
     lse, loss, dlogits = softmax-CE(logits_c)            Triton, one program per row, in place
     dh_c = dlogits_c W,   dW += dlogits_cᵀ h_c           torch GEMMs
-Only one chunk of logits exists at a time.
 
-Memory. At its peak, eager PyTorch holds several (N, V) tensors: the logits (b bytes each), their
-float32 copy, the float32 log-softmax saved for backward, and in backward float32 gradients of the
-same size. That is ≈ N·V·(b + 4 + 4) bytes. Fused, the extra memory is one chunk of float32 logits
-(chunk·V·4) plus the gradients it keeps, dh (N·C·b) and a float32 dW accumulator (V·C·4). The
-default chunk makes chunk·V ≈ N·C, so a logits chunk is no bigger than the hidden states (the
-heuristic of Liger-Kernel, Hsu et al. 2024). Example: Llama-3-8B (V = 128,256, C = 4096) with
-N = 8192 bf16 tokens: eager ≈ 10.5 GB; fused chunk = 256, so 0.13 GB of logits + 0.07 GB dh + 2.1 GB dW.
-
-Gradients are computed inside the forward, as Liger does. The softmax that gives the loss also gives
-dlogits = softmax - onehot(target), so while a chunk is in memory we go on to dh_c and dW. backward()
-then only scales the stored dh, dW by the incoming grad (a scalar). The trade-off:
-  + logits are computed once (3 GEMMs in all). A recomputing backward would need 4 and a second pass
-  - dh (N, C) and dW (V, C, float32) are held from forward to backward, and a forward with no backward
-    would waste 2 of its 3 GEMMs. So under torch.no_grad (evaluation) the gradient GEMMs are skipped.
-  - backward cannot be separated from forward (this does not suit pipeline schedules that run the
-    loss's backward later; a plain loss.backward() is fine).
-
-Playbook chapter 4, "fused kernels" + online softmax (§4.0.7-4.0.8). The CE kernel uses the same
-running max / running sum as FlashAttention: one pass over V for the log-sum-exp, one to write dlogits.
-    FLOPs  6·N·V·C (three GEMMs), the same as eager. HBM traffic of the softmax ≈ 3·N·V·4 bytes, in chunks
+Playbook chapter 4, "fused kernels" + online softmax (§4.0.7-4.0.8); Liger-Kernel (Hsu et al. 2024).
+Eager holds ≈ N·V·(b + 4 + 4) bytes of logits at its peak; fused, one float32 chunk (chunk·V·4, with
+chunk·V ≈ N·C by default) plus dh (N·C·b) and a float32 dW (V·C·4). FLOPs 6·N·V·C, as eager. The
+gradients are computed inside the forward (the softmax that gives the loss gives dlogits), so backward
+only scales the stored dh, dW; under torch.no_grad the gradient GEMMs are skipped. The trade-offs and
+a worked Llama-3-8B example: kernels/README.md.
 
 Versions in this file:
     v0  linear_cross_entropy_reference  eager: logits = h Wᵀ, F.cross_entropy(logits.float())
     v1  fused_linear_cross_entropy      chunked GEMMs + Triton online-softmax CE, grads in forward
 
-Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k cross_entropy (on CPU), python kernels/bench.py (GPU).
-Shape legend: N tokens (= B·T), C hidden size, V vocabulary.
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k cross_entropy   # CPU; GPU: bench.py
+New compared with 01: replaces `cross_entropy_loss` as `LlamaForCausalLM.loss_fn` (`--kernels triton`).
+Shape legend: N tokens (= B·T), C hidden size, V vocabulary, b bytes per element.
 """
 import torch
 import torch.nn.functional as F

@@ -1,26 +1,22 @@
 """Switch a Llama between PyTorch and the Triton kernels of this folder, from outside the model.
 
-Playbook chapter 4 applied to the model of 01_single_gpu. The model is not edited (the README's
-"How the code is written"): it exposes each fusable piece as a swappable attribute, and this file
-assigns them:
-
-    piece                      model attribute                              --kernels triton      --attn
-    RMSNorm (2 per layer + 1)  RMSNorm modules (input_layernorm, ...)       kernels/rmsnorm.py
-    SwiGLU activation          layers[i].mlp.act_fn(gate, up)               kernels/swiglu.py
-    rotary embedding           layers[i].self_attn.rope_fn(q, k, cos, sin)  kernels/rope.py
-    attention core             layers[i].self_attn.attn_fn(q, k, v)                               sdpa | eager | triton
-    LM head + loss             model.loss_fn(hidden, lm_head, labels)       kernels/fused_linear_cross_entropy.py
+Playbook chapter 4 applied to the model of 01_single_gpu. The model is not edited: it exposes each
+fusable piece as a swappable attribute, and `apply_kernels(model, kernels, attn)` assigns them:
+RMSNorm modules (rmsnorm.py), every MLP's `act_fn` (swiglu.py), `self_attn.rope_fn` (rope.py) and
+`model.loss_fn` (fused_linear_cross_entropy.py) with `--kernels triton`; `self_attn.attn_fn` with
+`--attn sdpa | eager | triton` (flash_attention.py). The table is in kernels/README.md.
 
 `apply_kernels(model, "torch", "sdpa")` restores the defaults, so the switch works in both directions.
-An RMSNorm is replaced by a `KernelRMSNorm` that holds the *same* weight Parameter. Parameter names,
-optimizer state and checkpoints therefore do not change.
+An RMSNorm is replaced by a `KernelRMSNorm` that holds the *same* weight Parameter: parameter names,
+optimizer state and checkpoints do not change.
 
-Order with other transforms: apply kernels first, then recompute (`apply_recompute` wraps whatever
-`attn_fn` it finds; FlashAttention already recomputes P, so "selective" adds little on top), then
-the parallel wrappers.
+Order with other transforms: kernels first (01's build_model), then recompute (`apply_recompute` wraps
+whatever `attn_fn` it finds; FlashAttention already recomputes P, so "selective" adds little on top),
+then the parallel wrappers.
 
     python 01_single_gpu/train.py --device cuda --dtype bfloat16 --kernels triton --attn triton
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py     # CPU: same loss and grads as PyTorch
+New compared with 01: the model's eager pieces swapped for this folder's kernels; nothing else changes.
 """
 from importlib import import_module
 

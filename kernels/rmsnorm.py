@@ -1,29 +1,26 @@
 """RMSNorm as one fused Triton kernel per direction.
 
-What: y = x · rsqrt(mean(x²) + eps) · w over the last dimension. This is Llama's RMSNorm, and it is
-computed the way Hugging Face's `LlamaRMSNorm` does: in float32, cast back to x's dtype, then
-multiplied by the weight. So the kernel matches `01_single_gpu/model.py` bit for bit in the forward pass.
+What: y = x · rsqrt(mean(x²) + eps) · w over the last dimension, computed as Hugging Face's
+`LlamaRMSNorm` does (in float32, cast back to x's dtype, then times the weight), so the forward matches
+`01_single_gpu/model.py` bit for bit.
 
-Playbook chapter 4, "fused kernels" (§4.0.7): eager PyTorch runs this as about six kernels (pow,
-mean, add+rsqrt, mul, cast, mul). Each one reads a full (N, C) tensor from HBM and writes one back.
-The fused kernel reads x and w once and writes y once. The row statistic stays in registers.
+Playbook chapter 4, "fused kernels" (§4.0.7): eager PyTorch runs this as about six kernels (pow, mean,
+add+rsqrt, mul, cast, mul), each reading a full (N, C) tensor from HBM and writing one back. The fused
+kernel reads x and w once and writes y once; the row statistic stays in registers. It is memory bound
+(≈ 4·N·C FLOPs forward, 10·N·C backward), so time ≈ bytes / HBM bandwidth:
 
-Cost for N rows of C elements, b bytes per element:
-    FLOPs               ≈ 4·N·C forward, ≈ 10·N·C backward. That is negligible, so the kernel is memory bound
-    HBM bytes forward   fused 2·N·C·b + C·b + 4·N   (read x, write y, read w, save rstd)
-                        eager ≈ 6 round trips over (N, C), several of them in float32
+    HBM bytes forward   fused 2·N·C·b + C·b + 4·N   (read x, write y, read w, save rstd); eager ≈ 6 passes
     HBM bytes backward  fused 3·N·C·b + P·C·4       (read x and dy, write dx, P partial dw rows)
-Time is therefore ≈ bytes / HBM bandwidth. `kernels/bench.py` reports the fraction of the measured
-copy bandwidth that the kernel reaches.
 
 Versions in this file:
     v0  rmsnorm_reference   eager PyTorch, the ground truth the tests compare against
-    v1  rmsnorm             Triton. Forward: one program per row. Backward: one program per group
-                            of rows, each accumulating a partial dw in registers. torch sums the P
-                            partial rows at the end, so no atomics are needed
+    v1  rmsnorm             Triton. Forward: one program per row. Backward: one program per group of
+                            rows, each accumulating a partial dw in registers; torch sums the P partial
+                            rows at the end, so no atomics are needed
 
-Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k rmsnorm (on CPU), python kernels/bench.py (GPU).
-Shape legend: N rows (= B·T), C hidden size, P backward programs.
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k rmsnorm   # CPU; GPU: kernels/bench.py
+New compared with 01: replaces the model's `RMSNorm` modules, keeping their weights (`--kernels triton`).
+Shape legend: N rows (= B·T), C hidden size, P backward programs, b bytes per element.
 """
 import torch
 import triton
@@ -79,7 +76,8 @@ def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, N, C, rows_per_program, 
 
 
 def _num_warps(block_c: int) -> int:
-    # One warp handles 32 lanes × a few elements. Wider rows get more warps, up to 8 (Triton's layer-norm tutorial).
+    # One warp handles 32 lanes × a few elements. Wider rows get more warps, up to 8 (Triton's layer-norm
+    # tutorial).
     return min(max(block_c // 256, 1), 8)
 
 

@@ -1,30 +1,25 @@
 """Rotary position embedding (RoPE) in one Triton kernel, Hugging Face Llama convention.
 
-What: out = x·cos + rotate_half(x)·sin, with rotate_half([x1, x2]) = [-x2, x1] for the two halves
-of the head dimension. Written per half:
-    out1 = x1·cos1 - x2·sin1            out2 = x2·cos2 + x1·sin2
-Dimension i is paired with i + hd/2, not with its neighbour 2i+1 as in the RoPE paper. HF permutes
-the q/k weights so that both layouts give the same model (Su et al. 2021, §3.4.2; HF `rotate_half`).
+What: out = x·cos + rotate_half(x)·sin, with rotate_half([x1, x2]) = [−x2, x1] for the two halves of the
+head dimension; per half, out1 = x1·cos1 − x2·sin1 and out2 = x2·cos2 + x1·sin2. Dimension i is paired
+with i + hd/2, not with its neighbour 2i+1 as in the RoPE paper (HF permutes the q/k weights so that both
+layouts give the same model; Su et al. 2021, §3.4.2).
 
-Backward. The map is linear, out = x·cos + R(x)·sin with R = rotate_half, so
-dx = dy·cos + Rᵀ(dy·sin) with Rᵀ([a, b]) = [b, -a]:
-    dx1 = dy1·cos1 + dy2·sin2           dx2 = dy2·cos2 - dy1·sin1
-With Llama's cos1 = cos2 and sin1 = sin2, this is the same rotation by -θ. So one kernel serves both
-directions: a constexpr flag flips the sign of sin. cos/sin are functions of the positions only and
-get no gradient.
+Backward: the map is linear, so dx = dy·cos + Rᵀ(dy·sin) with Rᵀ([a, b]) = [b, −a], which with Llama's
+cos1 = cos2 and sin1 = sin2 is the same rotation by −θ: one kernel serves both directions, a constexpr
+flag flipping the sign of sin (kernels/README.md). cos/sin depend on the positions only.
 
-Playbook chapter 4, "fused kernels" (§4.0.7). Eager runs chunk, neg, cat, two muls and an add:
-about six kernels and four (B, nh, T, hd) temporaries. This kernel reads x once, reads the small
-(T, hd) tables and writes out once.
-    HBM bytes per call  fused 2·B·nh·T·hd·b + 2·T·hd·b'     eager ≈ 10·B·nh·T·hd·b
-    FLOPs               3·B·nh·T·hd, negligible, so the kernel is memory bound
+Playbook chapter 4, "fused kernels" (§4.0.7). Eager runs chunk, neg, cat, two muls and an add: about six
+kernels and four (B, nh, T, hd) temporaries. This kernel reads x once, reads the (T, hd) tables and
+writes out once: fused 2·B·nh·T·hd·b + 2·T·hd·b' HBM bytes per call against eager's ≈ 10·B·nh·T·hd·b.
 
 Versions in this file:
     v0  rope_reference   eager PyTorch, exactly `apply_rotary` of 01_single_gpu/model.py
-    v1  rope             Triton: one program per (batch·head, block of BLOCK_T positions), working on
-                         the two halves as two (BLOCK_T, hd/2) tiles
+    v1  rope             Triton: one program per (batch·head, block of BLOCK_T positions), on the two
+                         halves as two (BLOCK_T, hd/2) tiles
 
-Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k rope (on CPU), python kernels/bench.py (GPU).
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k rope   # CPU; GPU: kernels/bench.py
+New compared with 01: replaces `apply_rotary` as `Attention.rope_fn` (`--kernels triton`).
 Shape legend: B batch, nh heads (query or key/value), T sequence, hd head dim, b / b' bytes of x / cos.
 """
 import torch

@@ -1,25 +1,25 @@
 """SwiGLU's elementwise core, silu(gate) · up, fused forward and backward in Triton.
 
-What: the activation inside Llama's MLP, down(silu(gate(x)) · up(x)). The three projections are
-GEMMs and stay in cuBLAS. This file fuses the elementwise part between them:
+What: the activation inside Llama's MLP, down(silu(gate(x)) · up(x)). The three projections are GEMMs
+and stay in cuBLAS; this file fuses the elementwise part between them:
     y = silu(g) · u,  silu(g) = g · σ(g)
-    dg = dy · u · σ(g) · (1 + g · (1 - σ(g))),   du = dy · silu(g)
+    dg = dy · u · σ(g) · (1 + g · (1 − σ(g))),   du = dy · silu(g)
 
-Playbook chapter 4, "fused kernels" (§4.0.7) plus recomputation (§2.1). Eager PyTorch runs two
-kernels forward (silu, mul) and writes silu(g) to HBM, and autograd keeps it for backward. The fused
-kernel keeps σ(g) in registers. Backward recomputes it from g, which it must read anyway, so the
-(N, F) intermediate is never stored.
+Playbook chapter 4, "fused kernels" (§4.0.7) plus recomputation (§2.1). Eager PyTorch runs two kernels
+forward (silu, mul), writes silu(g) to HBM and autograd keeps it for backward. The fused kernel keeps
+σ(g) in registers and the backward recomputes it from g, which it must read anyway, so the (N, F)
+intermediate is never stored. For M = B·T·F elements of b bytes (memory bound, ~10 FLOPs each):
 
-Cost for M = B·T·F elements, b bytes each (memory bound, about 10 FLOPs per element):
-    HBM bytes forward   fused 3·M·b (read g, u; write y)         eager 5·M·b (g→s, s,u→y)
-    HBM bytes backward  fused 5·M·b (read dy, g, u; write dg, du) eager ≈ 9·M·b (silu' is a separate pass)
-    activation memory kept for backward: fused g, u (2·M·b)       eager g, u, silu(g) (3·M·b)
+    HBM bytes forward   fused 3·M·b (read g, u; write y)          eager 5·M·b
+    HBM bytes backward  fused 5·M·b (read dy, g, u; write dg, du) eager ≈ 9·M·b
+    kept for backward   fused g, u (2·M·b)                        eager g, u, silu(g) (3·M·b)
 
 Versions in this file:
     v0  swiglu_reference   eager PyTorch (F.silu(g) * u), the ground truth for the tests
     v1  swiglu             Triton: one flat 1-D grid over all elements, in both directions
 
-Run: TRITON_INTERPRET=1 pytest tests/test_kernels.py -k swiglu (on CPU), python kernels/bench.py (GPU).
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k swiglu   # CPU; GPU: kernels/bench.py
+New compared with 01: replaces `silu_mul` as every MLP's (and 07's experts') `act_fn` (`--kernels triton`).
 Shape legend: B batch, T sequence, F intermediate size, M = B·T·F elements.
 """
 import torch
