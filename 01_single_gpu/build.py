@@ -48,6 +48,8 @@ def build_model(args, config):
     Later folders slice it from outside; `materialize` then gives the rank's parameters their values."""
     with torch.device("meta"):
         model = modeling.LlamaForCausalLM(config)
+    for name, p in model.named_parameters():
+        p.global_name = name         # follows the parameter through every slicing: checkpoints are global
     if (args.kernels, args.attn) != ("torch", "sdpa"):
         import_module("kernels.patch").apply_kernels(model, args.kernels, args.attn)
     return model

@@ -1,65 +1,44 @@
-"""Checkpoints in safetensors, one file per rank, with a manifest of checksums and exact resume.
+"""Checkpoints that move between layouts: safetensors pieces in global coordinates, a manifest of checksums.
 
 Layout of `--checkpoint-dir DIR`:
-    DIR/step_000100/rank_00000.safetensors   model + optimizer tensors + RNG state of rank 0
-    DIR/step_000100/rank_00001.safetensors   ... each rank saves what it holds (its shards)
-    DIR/step_000100/manifest.json            step, layout, arguments, run id, and each file's size and
-                                             sha256; rank 0 writes it last
-A checkpoint is written into `step_000100.tmp` and renamed into place only when every rank has finished
-(an older copy of the same step is removed only after that), so a crash mid-save never damages or hides
-an earlier checkpoint. `--resume` takes the newest checkpoint whose files all match their manifest and
-says which newer ones it skipped (torn, truncated, flipped bits); it refuses to continue as another run
-(other model, data, batch, schedule or layout: `check_resume`). A new run refuses a folder holding another
-run's checkpoints unless `--overwrite` (they are removed once the new run has published its first);
-`--keep-last N` keeps the newest N of the run. The data position is the step itself (the sampler is a
-pure function of seed and step), so the model, the optimizer and the step are the whole training state.
+    DIR/step_000100/rank_00000.safetensors   the pieces of state rank 0 is the first to hold: parameter
+    DIR/step_000100/rank_00001.safetensors   values and AdamW's moments, by global name, block and range
+    DIR/step_000100/manifest.json            step, layout, arguments, model config, run id, every piece's
+                                             place, and each file's size and sha256; rank 0 writes it last
+Pieces (global_state.py) make a checkpoint independent of the layout that saved it: `--resume` continues in
+any other layout of the same global batch (and `export_hf.py` writes it as a Hugging Face Llama). A checkpoint
+is written into `step_000100.tmp` and renamed into place when every rank has finished (an older copy of the
+step is removed only after that), so a crash never damages or hides an earlier checkpoint. `--resume` takes
+the newest checkpoint whose files match their manifest and says which newer ones it skipped; it refuses to
+continue as another run (other model, data, batch or schedule: `check_resume`). A new run refuses a folder
+holding another run's checkpoints unless `--overwrite`; `--keep-last N` keeps the newest N. The data position
+is the step itself (the sampler is a pure function of seed and step).
 """
 import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib import import_module
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+global_state = import_module("01_single_gpu.global_state")
 
 MANIFEST = "manifest.json"
-# What makes a run the run it is may not change under --resume: every flag but these (free to change) and
-# the parallel layout (compared with these neutral values for a trainer that lacks the flag; a checkpoint
-# holds per-rank shards, so it resumes only into the layout that saved it).
+FORMAT = 2                      # pieces in global coordinates (global_state.py): any layout resumes any other
+# What makes a run the run it is may not change under --resume: every flag but these, which are free (the
+# parallel layout among them: a checkpoint holds global pieces, any layout of the same global batch resumes
+# it). A flag only one trainer has is not compared: the model's config and parameter names are.
 FREE_FLAGS = {"steps", "mbs", "grad_acc", "dtype", "device", "recompute", "kernels", "attn", "json_log",
               "log_every", "no_progress", "peak_tflops", "checkpoint_dir", "checkpoint_every", "keep_last",
               "resume", "overwrite", "timeout_s", "on_nonfinite", "timeline", "dp_mode", "bucket_mb",
-              "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step"}
-LAYOUT_FLAGS = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "pp_chunks": 1, "sp": False, "zero_stage": 0}
-
-
-def _flatten(obj, prefix, tensors, meta):
-    """Split a nested state dict into safetensors-friendly tensors and JSON-friendly metadata."""
-    if torch.is_tensor(obj):
-        tensors[prefix] = obj.detach().to("cpu", copy=True).contiguous()  # a copy: tied weights may not share storage in safetensors
-        return {"__tensor__": prefix}
-    if isinstance(obj, dict):
-        return {"__dict__": [[_flatten(k, f"{prefix}.k{i}", tensors, meta), _flatten(v, f"{prefix}.{i}", tensors, meta)]
-                             for i, (k, v) in enumerate(obj.items())]}
-    if isinstance(obj, (list, tuple)):
-        return {"__list__": [_flatten(v, f"{prefix}.{i}", tensors, meta) for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
-    return obj  # numbers, strings, None, bools
-
-
-def _unflatten(obj, tensors):
-    if isinstance(obj, dict) and "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if isinstance(obj, dict) and "__dict__" in obj:
-        return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__dict__"]}
-    if isinstance(obj, dict) and "__list__" in obj:
-        items = [_unflatten(v, tensors) for v in obj["__list__"]]
-        return tuple(items) if obj["tuple"] else items
-    return obj
+              "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step",
+              "dp", "tp", "pp", "cp", "ep", "pp_chunks", "sp", "zero_stage"}
 
 
 def _world():
@@ -76,7 +55,8 @@ def sha256_of(path) -> str:
 
 def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_last: int = 0,
                     replace_other_runs: bool = False):
-    """Collective when distributed: every rank writes its file and its checksum, rank 0 the manifest.
+    """Collective when distributed: every rank writes the pieces of its state it is the first to hold
+    (global_state.py: global names, blocks, ranges; values and AdamW's moments), rank 0 the manifest.
 
     `meta` holds "layout", "global_batch" and "args" (whose "run_id" names the run). Rank 0 then removes
     the checkpoints of other runs (`replace_other_runs`: --overwrite) and all but the newest `keep_last`.
@@ -87,23 +67,35 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
+    mine = global_state.pieces(optimizer)
+    keys = [segment.key for segment, _ in mine]
+    everyone = [None] * world
     if world > 1:
         dist.barrier()
-    tensors, structure = {}, {}
-    structure["model"] = _flatten(model.state_dict(), "model", tensors, structure)
-    structure["optimizer"] = _flatten(optimizer.state_dict(), "optim", tensors, structure)
-    tensors["rng.cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+        dist.all_gather_object(everyone, keys)
+    else:
+        everyone = [keys]
+    writer = {}
+    for r, rank_keys in enumerate(everyone):            # each distinct piece: written by the first rank holding it
+        for key in rank_keys:
+            writer.setdefault(key, r)
     path = scratch / f"rank_{rank:05d}.safetensors"
-    save_file(tensors, path, metadata={"structure": json.dumps(structure)})
+    tensors, listed = {}, []
+    for index, (segment, data) in enumerate(mine):
+        if writer[segment.key] == rank and segment.key not in {tuple(e["key"]) for e in listed}:
+            for quantity, flat in data.items():
+                tensors[f"{quantity}/{index}"] = flat.detach().to("cpu", copy=True).contiguous()
+            listed.append({**asdict(segment), "key": list(segment.key), "file": path.name, "index": index})
+    save_file(tensors, path)
     files = [(path.name, {"bytes": path.stat().st_size, "sha256": sha256_of(path)})]   # read back: what is on disk
     if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, files[0])
-        files = everyone
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (files[0], listed))
+        files, listed = [f for f, _ in gathered], [piece for _, pieces in gathered for piece in pieces]
     if rank == 0:
-        manifest = {"step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta, "files": dict(files)}
+        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta,
+                    "config": global_state.model_config(model), "optimizer_step": global_state.optimizer_step(optimizer),
+                    "files": dict(files), "pieces": listed}
         (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _publish(scratch, final)
         _prune(Path(directory), step, meta["args"]["run_id"], keep_last, replace_other_runs)
@@ -197,37 +189,28 @@ def newest_usable(directory) -> Resume:
 
 def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:
     """The checkpoint --resume continues from, after checking that this run is the run that saved it: the
-    same flags but FREE_FLAGS, the same layout, world size and global batch. An unset --lr-decay-steps takes
-    the checkpoint's schedule length (so --steps may grow). Raises a ValueError naming the flag."""
+    same flags but FREE_FLAGS (the layout may change) and the same global batch. An unset --lr-decay-steps
+    takes the checkpoint's schedule length (so --steps may grow). Raises a ValueError naming the flag."""
     resume = newest_usable(directory)
     where = f"{directory}/step_{resume.step:06d}"
     manifest = json.loads((Path(where) / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"--resume: {where} was written by an older checkpoint.py: start a new run (--overwrite)")
     saved, mine = dict(manifest["args"]), vars(args)
     saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
     if args.lr_decay_steps is None:
         args.lr_decay_steps = saved["lr_decay_steps"]
-    for name in [*mine, *(n for n in saved if n not in mine)]:
-        flag = "--" + name.replace("_", "-")
-        if name in FREE_FLAGS:
-            continue
-        if name in LAYOUT_FLAGS:
-            old, new = saved.get(name, LAYOUT_FLAGS[name]), mine.get(name, LAYOUT_FLAGS[name])
-            if old != new:
-                raise ValueError(f"--resume: {where} was saved with {flag} {old}, this run has {new}: resume "
-                                 f"with the same layout (a checkpoint holds each rank's shards)")
-        elif name not in mine:
-            raise ValueError(f"--resume: {where} was saved with {flag} {saved[name]}, a flag this trainer does "
-                             f"not have: resume it with the trainer that saved it")
-        elif name not in saved:
-            raise ValueError(f"--resume: the trainer that saved {where} has no {flag}: resume it with that "
-                             f"trainer, or start a new run in another --checkpoint-dir")
-        elif mine[name] != saved[name]:
-            raise ValueError(f"--resume: {flag} {mine[name]} differs from the checkpoint's {saved[name]} (in "
-                             f"{where}): resume with the checkpoint's value, or start a new run in another "
-                             f"--checkpoint-dir")
-    if manifest["world_size"] != world_size:
-        raise ValueError(f"--resume: {where} was saved by {manifest['world_size']} ranks, this run has "
-                         f"{world_size}: resume with the same layout")
+    for name in sorted(mine.keys() & saved.keys() - FREE_FLAGS):
+        if mine[name] != saved[name]:
+            raise ValueError(f"--resume: --{name.replace('_', '-')} {mine[name]} differs from the checkpoint's "
+                             f"{saved[name]} (in {where}): resume with the checkpoint's value, or start a new run "
+                             f"in another --checkpoint-dir")
+    saved_experts = len({piece["name"].split(".mlp.experts.")[1].split(".")[0] for piece in manifest["pieces"]
+                         if ".mlp.experts." in piece["name"]})
+    if saved_experts != getattr(args, "num_experts", 0):
+        kind = f"a mixture-of-experts run ({saved_experts} experts per layer)" if saved_experts else "a dense run"
+        raise ValueError(f"--resume: {where} was saved by {kind}, this run has {getattr(args, 'num_experts', 0)}: "
+                         f"resume with the trainer and --num-experts that saved it")
     if global_batch != manifest["global_batch"]:
         raise ValueError(f"--resume: a global batch of {global_batch} sequences differs from the checkpoint's "
                          f"{manifest['global_batch']} (dp·mbs·grad_acc) (in {where}): resume with the "
@@ -246,31 +229,24 @@ def check_new_run(directory, overwrite: bool):
 
 
 def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None = None) -> int:
-    """Restore checkpoint `step` (default: the newest usable) into model/optimizer; returns its step."""
-    rank, world = _world()
+    """Restore checkpoint `step` (default: the newest usable), saved in any layout, into this rank's model and
+    optimizer (global_state.load: one global tensor at a time); returns its step. `layout` is this run's."""
     step = newest_usable(directory).step if step is None else step
     folder = Path(directory) / f"step_{step:06d}"
     manifest = json.loads((folder / MANIFEST).read_text())
-    keys = sorted(manifest["layout"].keys() | layout.keys())
-    saved_layout = {k: manifest["layout"].get(k, LAYOUT_FLAGS.get(k)) for k in keys}
-    this_layout = {k: layout.get(k, LAYOUT_FLAGS.get(k)) for k in keys}
-    if manifest["world_size"] != world or saved_layout != this_layout:
-        raise ValueError(f"{folder} was saved with world_size={manifest['world_size']} {saved_layout}; this run has "
-                         f"world_size={world} {this_layout}: resume with the same layout")
-    path = folder / f"rank_{rank:05d}.safetensors"
-    tensors = load_file(path)
-    with safe_open(path, "pt") as f:
-        structure = json.loads(f.metadata()["structure"])
-    state = _unflatten(structure["model"], tensors)
-    own = model.state_dict()
-    different = sorted(k for k in own.keys() | state.keys() if k not in own or k not in state
-                       or own[k].shape != state[k].shape)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{folder} was written by an older checkpoint.py (one file of state dicts per rank): "
+                         f"start a new run")
+    saved, mine = manifest["config"], global_state.model_config(model)
+    different = sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k))
     if different:
-        raise ValueError(f"{path} holds another model's tensors ({different[:3]} differ): resume with the trainer "
-                         f"and flags that saved it")
-    model.load_state_dict(state)
-    optimizer.load_state_dict(_unflatten(structure["optimizer"], tensors))
-    torch.set_rng_state(tensors["rng.cpu"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+        raise ValueError(f"{folder} holds another model ({', '.join(f'{k} {saved.get(k)} vs {mine.get(k)}' for k in different[:3])}): "
+                         f"resume with the model flags that saved it")
+    handles = {}
+
+    def read(piece, quantity):
+        if piece["file"] not in handles:
+            handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
+        return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
+    global_state.load(global_state.Assembler(manifest["pieces"], read), optimizer, model, manifest["optimizer_step"])
     return step

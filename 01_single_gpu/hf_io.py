@@ -153,9 +153,13 @@ def load_hf_into(model, directory):
 
 def save_hf(model, directory):
     """Write `config.json` + `model.safetensors` that `transformers.LlamaForCausalLM` can load."""
+    save_hf_state({k: v.detach() for k, v in model.state_dict().items()}, model.config, directory)
+
+
+def save_hf_state(state: dict, cfg, directory):
+    """`state` (01's parameter names -> tensors) and its LlamaConfig as a Hugging Face directory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
     config = {k: getattr(cfg, k) for k in CONFIG_KEYS}
     # transformers 5's layout, as its save_pretrained writes it (rope_from_hf reads the older one too)
     config["rope_parameters"] = {"rope_theta": cfg.rope_theta, "rope_type": "default",
@@ -163,9 +167,9 @@ def save_hf(model, directory):
     config.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                   head_dim=cfg.head_dim, attention_bias=False, mlp_bias=False,
                   initializer_range=cfg.initializer_range,
-                  torch_dtype=str(next(model.parameters()).dtype)[6:])
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+                  torch_dtype=str(next(iter(state.values())).dtype)[6:])
+    state = {k: v.contiguous().cpu() for k, v in state.items()}
     if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2))

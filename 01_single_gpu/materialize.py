@@ -93,7 +93,7 @@ class Source:
     model; a tied weight: its first name, the embedding's), the initializer, the dtype and the device."""
 
     def __init__(self, root: nn.Module, initializer: Initializer, dtype, device):
-        self.names = {id(p): name for name, p in root.named_parameters()}
+        self.names = {id(p): getattr(p, "global_name", name) for name, p in root.named_parameters()}
         self.initializer, self.dtype, self.device = initializer, dtype, device
 
     def values(self, p) -> torch.Tensor:

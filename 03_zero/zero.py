@@ -30,6 +30,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
 optim = import_module("01_single_gpu.optim")
@@ -82,6 +83,8 @@ class FlatUnit:
             if a < b:
                 piece = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo])
                 piece.decays, piece.start = decayed, a - self.lo
+                # which global parameters' elements it holds: checkpoints resume into any layout
+                piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
                 self.pieces.append(piece)
         self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
         self.grad_full = self.shard.new_zeros(self.padded) if stage == 1 else None      # (U,)
@@ -109,6 +112,7 @@ class FlatUnit:
         self.materialized = {}                                              # ZeRO swaps them in
         for p, view in zip(self.params, self.views(self.full)):
             new = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)                               # global_name, block, tp_sharded
             new.data = view         # a view's data with a version counter of its own (as the real path's
             self.materialized[id(p)] = new   # p.data = view): re-gathering `full` must not look like an edit
         self.params = [self.materialized[id(p)] for p in self.params]
@@ -340,9 +344,6 @@ def check_zero(args):
     if args.kernels != "torch":
         raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
                          "loss of --kernels triton bypasses: use --kernels torch")
-    if args.checkpoint_dir or args.resume:
-        raise ValueError("--zero-stage 3 keeps only parameter shards, which checkpoint.py does not save: "
-                         "drop --checkpoint-dir/--resume or use --zero-stage 1 or 2")
 
 
 def expected_state_bytes(stage, n, padded_bytes):

@@ -145,6 +145,8 @@ def shard_parameter(full, dim, tp_rank, tp_size):
     shard = nn.Parameter(full.detach().narrow(dim, tp_rank * size, size).clone())
     shard.tp_sharded = True   # counted once per shard by `clip_grad_norm_tp`
     shard.block = materialize.Block(tuple(full.shape), dim, tp_rank * size, (tp_rank + 1) * size)
+    if hasattr(full, "global_name"):
+        shard.global_name = full.global_name
     return shard
 
 

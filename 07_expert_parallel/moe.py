@@ -164,6 +164,8 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
         weight = dense.gate_proj.weight
         with torch.device("meta"):
             block = MoE(config, num_experts, top_k, aux_loss_coef)
+        for name, p in block.named_parameters():
+            p.global_name = f"model.layers.{index}.mlp.{name}"
         if not weight.is_meta:
             block = block.to_empty(device=weight.device).to(weight.dtype)
             with torch.no_grad():

@@ -38,7 +38,7 @@ def run_01(*extra, capsys=None, **kw):
     return stop.value.code, out.out, out.err
 
 
-def tensor_span(path, prefix="model."):
+def tensor_span(path, prefix="value/"):
     """(start, end) byte offsets in a safetensors file of its largest tensor whose name starts with `prefix`."""
     data = Path(path).read_bytes()
     length = int.from_bytes(data[:8], "little")
@@ -197,7 +197,8 @@ def _subprocess(folder, *extra, check=True):
 
 def test_cross_folder_resume(tmp_path):
     """01's checkpoint resumes in `02 --dp 1` (the same model and optimizer on a world of one): steps 4-6
-    equal 01's own. A ZeRO-1 checkpoint of 03 (flat optimizer shards) resumed by 02 is refused in one line."""
+    equal 01's own. A ZeRO-1 checkpoint of 03 (flat optimizer shards, saved as global pieces) resumes in 02
+    too, with 01's losses (float32; only the order of a few sums differs: 1e-6 relative)."""
     full, _ = run_01(steps=6)
     ckpt, log = tmp_path / "c", tmp_path / "log.jsonl"
     run_01("--checkpoint-dir", ckpt, "--checkpoint-every", 3, steps=6)
@@ -209,7 +210,6 @@ def test_cross_folder_resume(tmp_path):
     zero = tmp_path / "z"
     _subprocess("03_zero", "--dp", 1, "--zero-stage", 1, "--checkpoint-dir", zero, "--checkpoint-every", 3)
     shutil.rmtree(zero / "step_000006")
-    done = _subprocess("02_data_parallel", "--dp", 1, "--checkpoint-dir", zero, "--resume", check=False)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "was saved with --zero-stage 1, this run has 0" in lines[0], \
-        done.stderr[-3000:]
+    log = tmp_path / "zero.jsonl"
+    _subprocess("02_data_parallel", "--dp", 1, "--checkpoint-dir", zero, "--resume", "--json-log", log)
+    assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == pytest.approx(full[3:], rel=1e-6)

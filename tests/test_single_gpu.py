@@ -192,12 +192,13 @@ def test_resume_refuses_a_different_run(tmp_path, capsys, flags, message):
     assert stop.value.code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_resume_with_other_layout_refuses(tmp_path):
+def test_resume_into_another_model_refuses(tmp_path):
+    """A checkpoint resumes into any layout, never into another model: the config is compared first."""
     ckpt = tmp_path / "c"
     common.single_device_run("--checkpoint-dir", ckpt, steps=1)
     model = modeling.LlamaForCausalLM(tiny_config())
-    with pytest.raises(ValueError, match="resume with the same layout"):
-        import_module("01_single_gpu.checkpoint").load_checkpoint(ckpt, model, None, {"dp": 2})
+    with pytest.raises(ValueError, match="holds another model .*hidden_size 32 vs 48"):
+        import_module("01_single_gpu.checkpoint").load_checkpoint(ckpt, model, None, {})
 
 
 def test_weight_decay_spares_one_dimensional_parameters():

@@ -1,0 +1,69 @@
+"""Export a checkpoint of any parallel layout as a Hugging Face Llama directory.
+
+    python 01_single_gpu/export_hf.py --checkpoint-dir ckpt --out hf_model [--step N]
+
+A checkpoint holds every parameter as pieces in global coordinates (global_state.py: name, TP block,
+ZeRO flat range), whatever layout saved it: dp × tp × pp × cp, ZeRO-1/2/3. This rebuilds each parameter
+from its pieces, one at a time, and writes `config.json` + `model.safetensors` (hf_io.save_hf_state),
+which `transformers.LlamaForCausalLM.from_pretrained` loads with the project's logits. A mixture-of-experts
+checkpoint (07, 08 --num-experts) is not a Llama: it is refused.
+"""
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+
+import argparse
+import json
+from importlib import import_module
+
+checkpoint = import_module("01_single_gpu.checkpoint")
+global_state = import_module("01_single_gpu.global_state")
+hf_io = import_module("01_single_gpu.hf_io")
+modeling = import_module("01_single_gpu.model")
+
+
+def export(checkpoint_dir, out, step=None):
+    """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step."""
+    step = checkpoint.newest_usable(checkpoint_dir).step if step is None else step
+    folder = Path(checkpoint_dir) / f"step_{step:06d}"
+    problem, manifest = checkpoint.verify(folder)
+    if problem:
+        raise ValueError(f"{folder}: {problem}")
+    if manifest.get("format") != checkpoint.FORMAT:
+        raise ValueError(f"{folder} was written by an older checkpoint.py: it cannot be exported")
+    if any(".mlp.experts." in piece["name"] for piece in manifest["pieces"]):
+        raise ValueError(f"{folder} holds a mixture-of-experts model: a Hugging Face Llama has no experts")
+    config = modeling.LlamaConfig(**manifest["config"])
+    from safetensors import safe_open
+    handles = {}
+
+    def read(piece, quantity):
+        if piece["file"] not in handles:
+            handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
+        return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
+    assembler = global_state.Assembler(manifest["pieces"], read)
+    state = {}
+    for name in sorted(assembler.names()):               # one full tensor at a time, in its saved dtype
+        first = next(p for p in manifest["pieces"] if p["name"] == name)
+        state[name] = assembler.full(name, "value", read(first, "value").dtype)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf_io.save_hf_state(state, config, out)
+    return step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-dir", required=True, help="a --checkpoint-dir of any trainer")
+    parser.add_argument("--out", required=True, help="the folder to write config.json and model.safetensors to")
+    parser.add_argument("--step", type=int, help="the step to export (default: the newest usable checkpoint)")
+    args = parser.parse_args(argv)
+    try:
+        step = export(args.checkpoint_dir, args.out, args.step)
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as error:
+        parser.error(str(error))
+    print(f"exported step {step} of {args.checkpoint_dir} to {args.out} (config.json, model.safetensors)")
+
+
+if __name__ == "__main__":
+    main()

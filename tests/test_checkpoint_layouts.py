@@ -1,0 +1,132 @@
+"""Checkpoints move between layouts: a run saved by one parallel layout resumes in any other of the same
+global batch with the losses of the uninterrupted single-device run, and exports as a Hugging Face Llama.
+
+Each case trains 2 steps in layout A (saving at step 2), resumes in layout B to step 4, and compares
+steps 3-4 with 01's uninterrupted 4 steps (global batch 4, `--lr-decay-steps 4` everywhere, so the
+schedule is the same). float32: the layouts sum the same gradients in other orders (~1e-7 relative),
+which AdamW's m/√v carries into the weights of the resumed run; 1e-5 relative on the losses is far
+below a wrong piece (a swapped TP block, a missing moment: the loss moves in the 3rd digit).
+The pairs cross every kind of state a layout holds: ZeRO-3's flat shards → one device; one device →
+tp2 × pp2 (08); ZeRO-1 over a pipeline (08's distributed optimizer, pieces that cross parameters and
+TP blocks) → tp2 × dp2 (04); and 07's experts over ep2 → 07 on one device. Then the 04 checkpoint is
+exported (export_hf.py) and transformers' Llama gives the project's logits (float32: 1e-5).
+"""
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+from harness import run_ranks
+
+SCHEDULE = ["--lr-decay-steps", 4]
+
+
+def flags_mbs(flags):
+    return int(flags[flags.index("--mbs") + 1]) if "--mbs" in flags else 4
+
+
+def flags_grad_acc(flags):
+    return int(flags[flags.index("--grad-acc") + 1]) if "--grad-acc" in flags else 1
+
+
+def strip(flags):
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in ("--mbs", "--grad-acc"):
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
+def _layout_run(module, flags, steps, checkpoint_dir, resume):
+    extra = ["--checkpoint-dir", checkpoint_dir] + (["--resume"] if resume else [])
+    import torch.distributed as dist
+    records = import_module(module).main(common.argv(*strip(flags), *SCHEDULE, *extra, steps=steps,
+                                                     mbs=flags_mbs(flags), grad_acc=flags_grad_acc(flags)))[0]
+    dist.barrier()
+    return [r["loss"] for r in records]
+
+
+def _two_layouts(save, load, checkpoint_dir):
+    """On every rank of one spawn: layout A's 2 steps, then layout B's resume to 4 (same world size)."""
+    _layout_run(*save, 2, checkpoint_dir, resume=False)
+    return _layout_run(*load, 4, checkpoint_dir, resume=True)
+
+
+def run(module, flags, world, steps, checkpoint_dir, resume):
+    if world == 1:
+        extra = ["--checkpoint-dir", checkpoint_dir] + (["--resume"] if resume else [])
+        records = import_module(module).main(common.argv(*strip(flags), *SCHEDULE, *extra, steps=steps,
+                                                         mbs=flags_mbs(flags), grad_acc=flags_grad_acc(flags)))[0]
+        return [r["loss"] for r in records]
+    per_rank = run_ranks(_layout_run, world, args=(module, flags, steps, checkpoint_dir, resume), timeout=300)
+    assert all(losses == per_rank[0] for losses in per_rank)                # every rank logs the global loss
+    return per_rank[0]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """01's uninterrupted 4 steps of the global batch 4, and its final model."""
+    records, model = import_module("01_single_gpu.train").main(common.argv(*SCHEDULE, steps=4, mbs=4))
+    return [r["loss"] for r in records], model
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    records = import_module("07_expert_parallel.train").main(common.argv(*SCHEDULE, "--num-experts", 4,
+                                                                         steps=4, mbs=4))[0]
+    return [r["loss"] for r in records]
+
+
+CASES = {   # id: ((module, flags, world) that saves, (module, flags, world) that resumes)
+    "zero3-dp4-to-01": (("03_zero.train", ["--dp", 4, "--zero-stage", 3, "--mbs", 1], 4),
+                        ("01_single_gpu.train", [], 1)),
+    "01-to-tp2-pp2": (("01_single_gpu.train", [], 1),
+                      ("08_5d_combined.train", ["--tp", 2, "--pp", 2, "--mbs", 2, "--grad-acc", 2], 4)),
+    "zero1-dp2-pp2-to-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 1, "--mbs", 1,
+                                                           "--grad-acc", 2], 4),
+                                 ("04_tensor_parallel.train", ["--tp", 2, "--dp", 2, "--mbs", 2], 4)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_in_another_layout_continues_the_run(tmp_path, reference, case):
+    (save_module, save_flags, save_world), (load_module, load_flags, load_world) = CASES[case]
+    ckpt = str(tmp_path / "ckpt")
+    if save_world == load_world > 1:
+        per_rank = run_ranks(_two_layouts, save_world, args=((save_module, save_flags), (load_module, load_flags),
+                                                             ckpt), timeout=300)
+        resumed = per_rank[0]
+    else:
+        run(save_module, save_flags, save_world, 2, ckpt, resume=False)
+        resumed = run(load_module, load_flags, load_world, 4, ckpt, resume=True)
+    assert resumed == pytest.approx(reference[0][2:], rel=1e-5), case
+    if case == "zero1-dp2-pp2-to-tp2-dp2":      # its step-4 checkpoint, saved by tp2 × dp2, as a Llama
+        export_and_compare(ckpt, tmp_path / "hf", reference[1])
+
+
+def export_and_compare(ckpt, out, model):
+    import transformers
+    import_module("01_single_gpu.export_hf").main(["--checkpoint-dir", ckpt, "--out", str(out)])
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+def _experts(ckpt):
+    return _layout_run("07_expert_parallel.train", ["--num-experts", 4, "--dp", 2, "--ep", 2, "--mbs", 2], 2,
+                       ckpt, resume=False)
+
+
+def test_experts_move_from_ep2_to_one_device(tmp_path, moe_reference):
+    """07's experts saved by dp 2 × ep 2 (each rank: 2 of the 4 experts of every layer) resume on one
+    device, which holds all 4, with the single-device MoE run's losses."""
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_experts, 2, args=(ckpt,), timeout=300)
+    resumed = run("07_expert_parallel.train", ["--num-experts", 4], 1, 4, ckpt, resume=True)
+    assert resumed == pytest.approx(moe_reference[2:], rel=1e-5)
