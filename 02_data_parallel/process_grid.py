@@ -153,6 +153,20 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
     return build_process_grid(dp, pp, cp, tp, ep)
 
 
+def subgroup(grid: ProcessGrid, dim: str, size: int):
+    """This rank's group of `size` consecutive ranks of its `dim` group (collective: every rank creates
+    every such group of every `dim` group, in the same order); e.g. the tp ranks holding the same kv head."""
+    layout = grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size, grid.ep_size)
+    mine = None
+    for ranks in _groups_along(layout, (("dp", "pp", "cp", "tp").index(dim),)):
+        for start in range(0, len(ranks), size):
+            part = ranks[start:start + size]
+            group = dist.new_group(part)
+            if grid.rank in part:
+                mine = group
+    return mine
+
+
 @contextlib.contextmanager
 def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
                 timeout_s: float = watchdog.DEFAULT_TIMEOUT_S):

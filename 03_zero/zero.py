@@ -222,8 +222,8 @@ class ZeRO:
         for unit in self.units:
             for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
                 lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
-                if lo < hi and which(p):
-                    total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
+                if lo < hi and which(p):   # a kv head on r tp ranks (04's tp > kv heads) counts 1/r per copy
+                    total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1)
         return total
 
     def scale_gradients(self, coef):

@@ -32,6 +32,7 @@ from torch import nn
 
 materialize = import_module("01_single_gpu.materialize")
 comm = import_module("02_data_parallel.comm")
+process_grid = import_module("02_data_parallel.process_grid")
 
 
 # ======================================================================================
@@ -203,14 +204,39 @@ def enter_region(module, enter, group):
 def check_tensor_parallel(config, tp: int):
     """Raise a clear error for a layout TP cannot split (call before any process group exists)."""
     for name, n in (("num_attention_heads", config.num_attention_heads),
-                    ("num_key_value_heads", config.num_key_value_heads),
                     ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
         if n % tp:
-            fix = (" (grouped-query attention: each rank needs whole key/value heads; pass --num-kv-heads "
-                   f"a multiple of {tp}, or use a smaller --tp)" if name == "num_key_value_heads" else
-                   f" (choose --tp dividing it, or change "
-                   f"--{name.replace('_', '-').replace('num-attention', 'num')})")
-            raise ValueError(f"tp={tp} does not divide {name}={n}{fix}")
+            raise ValueError(f"tp={tp} does not divide {name}={n} (choose --tp dividing it, or change "
+                             f"--{name.replace('_', '-').replace('num-attention', 'num')})")
+    nkv = config.num_key_value_heads
+    if nkv % tp and tp % nkv:
+        raise ValueError(f"tp={tp} and num_key_value_heads={nkv}: each rank needs whole key/value heads, so one "
+                         f"must divide the other (tp ≤ kv heads splits them, tp > kv heads replicates each over "
+                         f"tp/kv ranks); pass --num-kv-heads a divisor or multiple of {tp}, or another --tp")
+
+
+def kv_replicas(num_kv_heads: int, tp: int) -> int:
+    """How many tp ranks hold each key/value head: 1 when tp ≤ kv heads (split), tp/kv heads when tp > kv
+    heads (Llama-3 70B has 8 kv heads: at tp 16 every head lives on 2 ranks, each with its own q heads)."""
+    return max(1, tp // num_kv_heads)
+
+
+def replicated_kv(weight, tp_rank, tp_size, num_kv_heads, replica_group):
+    """k_proj / v_proj at tp > kv heads: rank r keeps kv head r // (tp/kv) whole, the head its q heads
+    use. The copies of a head see different q heads, so their gradients are partial sums: the step adds
+    them over `replica_group` (`all_reduce_kv_replica_gradients`), and the norm counts each head once."""
+    replicas = tp_size // num_kv_heads
+    linear = ColumnParallelLinear(weight, tp_rank // replicas, num_kv_heads, None)     # (hd, C): one head
+    linear.weight.kv_replicas, linear.weight.replica_group = replicas, replica_group
+    return linear
+
+
+@torch.no_grad()
+def all_reduce_kv_replica_gradients(params):
+    """Sum the gradients of replicated key/value heads over the ranks holding the same head."""
+    for p in params:
+        if getattr(p, "kv_replicas", 1) > 1 and p.grad is not None:
+            dist.all_reduce(p.grad, group=p.replica_group)              # (hd, C) summed over the replicas
 
 
 def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
@@ -220,12 +246,18 @@ def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
     dense weights, sharded. Parameter names are unchanged; each rank's state dict holds its shards.
     """
     vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
-    check_tensor_parallel(model.config, grid.tp_size)
+    config = model.config
+    check_tensor_parallel(config, grid.tp_size)
     tp = (grid.tp_rank, grid.tp_size, grid.tp_group)
+    replicas = kv_replicas(config.num_key_value_heads, grid.tp_size)
+    replica_group = process_grid.subgroup(grid, "tp", replicas) if replicas > 1 else None   # collective
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):     # split by heads: rows are (heads, hd)
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name).weight, *tp))
+        attn.q_proj = ColumnParallelLinear(attn.q_proj.weight, *tp)     # split by heads: rows are (heads, hd)
+        for name in ("k_proj", "v_proj"):
+            weight = getattr(attn, name).weight
+            setattr(attn, name, ColumnParallelLinear(weight, *tp) if replicas == 1 else
+                    replicated_kv(weight, grid.tp_rank, grid.tp_size, config.num_key_value_heads, replica_group))
         attn.o_proj = RowParallelLinear(attn.o_proj.weight, *tp, exit_region=regions.exit)
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj.weight, *tp)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj.weight, *tp)
@@ -256,11 +288,12 @@ def clip_grad_norm_tp(params, max_norm, tp_group, pp_group=None):
     """
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
+    sharded = [p for p in params if p.grad is not None and getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_sharded", False)]
     dtype = torch.promote_types(grads[0].dtype, torch.float32)     # bf16 grads are summed in fp32
     zero = torch.zeros((), dtype=dtype, device=grads[0].device)
-    sharded_sq = sum((g.to(dtype).pow(2).sum() for g in sharded), zero)
+    # a kv head replicated on r ranks (tp > kv heads) is summed r times over tp: count it 1/r each time
+    sharded_sq = sum((p.grad.to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1) for p in sharded), zero)
     dist.all_reduce(sharded_sq, group=tp_group)                     # scalar: Σ over the tp shards
     squares = sharded_sq + sum((g.to(dtype).pow(2).sum() for g in replicated), zero)
     if pp_group is not None:

@@ -45,6 +45,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
                 micro_loss.backward()
             loss += micro_loss.detach()
     ddp.finish_gradients()                                          # mean over the dp replicas
+    tensor_parallel.all_reduce_kv_replica_gradients(model.parameters())   # tp > kv heads: a head's copies
     grad_norm = tensor_parallel.clip_grad_norm_tp(model.parameters(), args.grad_clip, grid.tp_group)
     optimizer.step()
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm

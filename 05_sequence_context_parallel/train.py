@@ -54,6 +54,7 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
                 micro_loss.backward()                               # SP's g/ḡ, the ring's K/V hops inside
             loss += micro_loss.detach()
     ddp.finish_gradients()                                          # mean over the cp×dp ranks
+    tensor_parallel.all_reduce_kv_replica_gradients(model.parameters())   # tp > kv heads: a head's copies
     if args.sp:   # each tp rank's norms saw T/(cp·tp) tokens: sum over tp (after DP's async all-reduces,
         sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)   # which read these grads)
     grad_norm = tensor_parallel.clip_grad_norm_tp(model.parameters(), args.grad_clip, grid.tp_group)

@@ -61,6 +61,7 @@ def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, exper
             pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
     if args.sp:                                      # 05: each tp rank's norms saw T/(cp·tp) of the tokens
         sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)
+    tensor_parallel.all_reduce_kv_replica_gradients(params)   # 04: tp > kv heads, a head's copies summed
     if zero1:                                        # 03: reduce-scatter over cp×dp (experts: expert_dp)
         zero1.finish_gradients()
         grad_norm = zero1.clip_gradients(args.grad_clip)

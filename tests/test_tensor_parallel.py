@@ -260,8 +260,8 @@ def _check(*flags, world=None):
 def test_bad_layouts_fail_before_any_process_group():
     with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4"):
         _check("--tp", "3")
-    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2 .*--num-kv-heads"):
-        _check("--tp", "4")
+    with pytest.raises(ValueError, match=r"tp=2 and num_key_value_heads=3: .*one must divide the other"):
+        _check("--tp", "2", "--hidden-size", "48", "--num-heads", "6", "--num-kv-heads", "3")
     with pytest.raises(ValueError, match=r"tp=2 does not divide vocab_size=321"):
         _check("--tp", "2", "--vocab-size", "321", "--num-kv-heads", "4")
     with pytest.raises(ValueError, match=r"does not equal the world size 2"):
