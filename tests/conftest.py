@@ -13,3 +13,11 @@ def data_cache():
     import common
     data = import_module("01_single_gpu.data")
     data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
+
+
+@pytest.fixture(scope="session")
+def default_reference():
+    """01's (losses, gradient norms, final state dict) for common.argv()'s defaults (3 steps, mbs 4): the
+    reference of every whole TP and CP run that keeps the default global batch, computed once."""
+    import common
+    return common.single_device_reference()

@@ -59,7 +59,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # before kernels/ is imported, here and in the spawned ranks
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts
 from test_tensor_parallel import LOSS, PARAMS, reference, shard_like
 
 modeling = import_module("01_single_gpu.model")
@@ -89,69 +89,68 @@ def _flags(*extra, mbs=2, grad_acc=2, dtype="float32"):
     return (list(map(str, extra)), mbs, grad_acc, dtype, tolerance)
 
 
-def _train(flag_sets):
-    """On every rank: 08's run() per flag set; losses, norms, its parameters, its measured bytes."""
-    results = []
-    for extra, mbs, grad_acc, dtype, _ in flag_sets:
-        if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
-            if torch.distributed.get_rank() == 0:
-                checkpoint_dir = extra[extra.index("--checkpoint-dir") + 1]
-                shutil.rmtree(os.path.join(checkpoint_dir, f"step_{STEPS:06d}"))
-            torch.distributed.barrier()
-        records, stages, pipe, everyone = combined.main(
-            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
-        mine = everyone[torch.distributed.get_rank()]
-        sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
-                for dim, groups in GROUPS.items()}
-        results.append(dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                            coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
-                            state={pipeline.single_device_name(k): v.detach().numpy().copy()   # numpy: pickled
-                                   for k, v in stages.state_dict().items()}))                   # by value
-    return results
+def _train(flag_set):
+    """On every rank: 08's run() for one flag set; losses, norms, its parameters, its measured bytes."""
+    extra, mbs, grad_acc, dtype, _ = flag_set
+    if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
+        if torch.distributed.get_rank() == 0:
+            checkpoint_dir = extra[extra.index("--checkpoint-dir") + 1]
+            shutil.rmtree(os.path.join(checkpoint_dir, f"step_{STEPS:06d}"))
+        torch.distributed.barrier()
+    records, stages, pipe, everyone = combined.main(
+        common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
+    mine = everyone[torch.distributed.get_rank()]
+    sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
+            for dim, groups in GROUPS.items()}
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
+                state={pipeline.single_device_name(k): v.detach().numpy().copy()   # numpy: pickled by value
+                       for k, v in stages.state_dict().items()})
 
 
-def _check(flag_sets, per_rank):
-    for i, (extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol)) in enumerate(flag_sets):
-        precision = {"float32": "fp32", "float64": "fp64"}[dtype]
-        args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
-                              files=False)   # the planner's view: the checkpoints are not read
-        layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
-        if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
-            records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
-                "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
-            ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-            ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        else:
-            ref_losses, ref_norms, ref_state = reference(steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc,
-                                                         dtype=dtype)
-        covered = set()
-        for rank, runs in enumerate(per_rank):
-            run, what = runs[i], f"{' '.join(extra)}, rank {rank}"
-            steps = len(run["losses"])                         # the last `steps` of 01's (1 after --resume)
-            assert steps == (1 if "--resume" in extra else STEPS), what
-            torch.testing.assert_close(run["losses"], ref_losses[-steps:], **loss_tol, msg=what)
-            torch.testing.assert_close(run["norms"], ref_norms[-steps:], **norm_tol, msg=what)
-            _, pp_rank, _, tp_rank = run["coords"]
-            for name, local in run["state"].items():
-                local = torch.from_numpy(local)
-                torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
-                                           msg=lambda m: f"{what} {name}: {m}")
-                covered.add(name)
-            # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
-            memory = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
-            params, _, optimizer = run["states"]
-            assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
-            sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
-            # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
-            exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
-            assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
-            if layout.zero_stage:
-                _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
-                             what)
-        assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
-        if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
-            logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
-            torch.testing.assert_close(logged, ref_losses, **loss_tol)
+def _check(flag_set, per_rank):
+    """One flag set's runs on every rank against 01 (07 with experts) and against the planner."""
+    extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol) = flag_set
+    precision = {"float32": "fp32", "float64": "fp64"}[dtype]
+    args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
+                          files=False)   # the planner's view: the checkpoints are not read
+    layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
+    if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
+        records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
+            "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+        ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        ref_losses, ref_norms, ref_state = reference(steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc,
+                                                     dtype=dtype)
+    covered = set()
+    for rank, run in enumerate(per_rank):
+        what = f"{' '.join(extra)}, rank {rank}"
+        steps = len(run["losses"])                         # the last `steps` of 01's (1 after --resume)
+        assert steps == (1 if "--resume" in extra else STEPS), what
+        torch.testing.assert_close(run["losses"], ref_losses[-steps:], **loss_tol, msg=what)
+        torch.testing.assert_close(run["norms"], ref_norms[-steps:], **norm_tol, msg=what)
+        _, pp_rank, _, tp_rank = run["coords"]
+        for name, local in run["state"].items():
+            local = torch.from_numpy(local)
+            torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
+                                       msg=lambda m: f"{what} {name}: {m}")
+            covered.add(name)
+        # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
+        memory = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        params, _, optimizer = run["states"]
+        assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
+        sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
+        exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
+        assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
+        if layout.zero_stage:
+            _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
+                         what)
+    assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
+    if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
+        logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
+        torch.testing.assert_close(logged, ref_losses, **loss_tol)
 
 
 def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
@@ -178,39 +177,63 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
 
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
-EIGHT_RANKS = [_flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log", JSON_LOG),
-               _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule", "zb-h1",
-                      mbs=4),
-               _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--pp-schedule",
-                      "interleaved", "--pp-chunks", 2, mbs=4),
-               _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
-               _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 1)]
-FOUR_RANKS = [_flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2, "--recompute", "selective", mbs=4, grad_acc=3,
-                     dtype="float64"),
-              _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2, "--pp-schedule", "afab", mbs=4),
-              _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
-              _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts", 4),
-              _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4, "--recompute", "full"),
-              _flags("--cp", 2, "--dp", 2, "--ep", 2, "--num-experts", 4),
-              _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS,
-                     "--checkpoint-every", 1, mbs=2, grad_acc=2),
-              _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir", ZERO1_CHECKPOINTS, "--resume",
-                     mbs=2, grad_acc=2),
-              _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--zero-stage", 1,
-                     grad_acc=4),
-              _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
-              _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2, "--num-experts", 4,
-                     "--zero-stage", 1)]
+EIGHT_RANKS = {
+    "dp2-tp2-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
+                               JSON_LOG),
+    "tp2sp-cp2zigzag-pp2-zbh1": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2,
+                                       "--pp-schedule", "zb-h1", mbs=4),
+    "tp2sp-cp2zigzag-pp2-interleaved": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2,
+                                              "--pp-schedule", "interleaved", "--pp-chunks", 2, mbs=4),
+    "dp2ep2-tp2-pp2-moe": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
+    "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
+                                       "--zero-stage", 1)}
+FOUR_RANKS = {
+    "cp2contiguous-pp2-selective-fp64": _flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2,
+                                               "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
+    "cp2ulysses-pp2-afab": _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2,
+                                  "--pp-schedule", "afab", mbs=4),
+    "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
+    "dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts",
+                                  4),
+    "cp2zigzag-pp2-full-moe": _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4,
+                                     "--recompute", "full"),
+    "cp2-dp2ep2-moe": _flags("--cp", 2, "--dp", 2, "--ep", 2, "--num-experts", 4),
+    "zero1-cp2-dp2-checkpoints": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
+                                        ZERO1_CHECKPOINTS, "--checkpoint-every", 1, mbs=2, grad_acc=2),
+    "zero1-cp2-dp2-resumed": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
+                                    ZERO1_CHECKPOINTS, "--resume", mbs=2, grad_acc=2),
+    "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                        "--zero-stage", 1, grad_acc=4),
+    "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
+    "zero1-cp2contiguous-dp2ep2-moe": _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2,
+                                             "--num-experts", 4, "--zero-stage", 1)}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks():
+    """One spawn of 8 ranks runs every layout of EIGHT_RANKS in turn (a spawn costs seconds; a layout
+    that raises on the ranks is named by the harness, and the next ones still run unless a rank may be
+    blocked in a collective with the failed one: run_layouts says when)."""
+    return run_layouts(_train, EIGHT_RANKS, 8, timeout=280)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One spawn of 4 ranks for FOUR_RANKS, as eight_ranks. zero1-cp2-dp2-resumed resumes from the
+    checkpoints zero1-cp2-dp2-checkpoints wrote: if that one failed, this one fails too."""
+    return run_layouts(_train, FOUR_RANKS, 4, timeout=280)
 
 
 @pytest.mark.timeout(300)
-def test_eight_rank_layouts_match_single_device_and_planner():
-    _check(EIGHT_RANKS, run_ranks(_train, 8, args=(EIGHT_RANKS,), timeout=280))
+@pytest.mark.parametrize("layout_id", EIGHT_RANKS)
+def test_eight_rank_layouts_match_single_device_and_planner(eight_ranks, layout_id):
+    _check(EIGHT_RANKS[layout_id], layout_results(eight_ranks, layout_id))
 
 
 @pytest.mark.timeout(300)
-def test_four_rank_layouts_match_single_device_and_planner():
-    _check(FOUR_RANKS, run_ranks(_train, 4, args=(FOUR_RANKS,), timeout=280))
+@pytest.mark.parametrize("layout_id", FOUR_RANKS)
+def test_four_rank_layouts_match_single_device_and_planner(four_ranks, layout_id):
+    _check(FOUR_RANKS[layout_id], layout_results(four_ranks, layout_id))
 
 
 # ======================================================================================

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import common
-from harness import run_ranks
-from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, reference, shard_like, train_layouts
+from harness import layout_results, run_layouts, run_ranks
+from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, shard_like, train_layout
 
 cli = import_module("01_single_gpu.cli")
 modeling = import_module("01_single_gpu.model")
@@ -276,29 +276,48 @@ def test_zigzag_balances_attention_work():
 SCP = "05_sequence_context_parallel.train"
 
 
-def test_sp_and_cp2_runs_equal_single_device():
+TWO_RANKS = {"tp2-sp": (SCP, ["--tp", "2", "--sp"]),
+             "cp2-contiguous": (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
+             "cp2-zigzag": (SCP, ["--cp", "2", "--cp-layout", "zigzag"]),
+             "cp2-ulysses-eager": (SCP, ["--cp", "2", "--cp-attn", "ulysses", "--attn", "eager"])}
+FOUR_RANKS = {"cp4-contiguous": (SCP, ["--cp", "4", "--cp-layout", "contiguous"]),
+              "cp4-zigzag": (SCP, ["--cp", "4", "--cp-layout", "zigzag"]),
+              "tp2sp-cp2-zigzag": (SCP, ["--tp", "2", "--sp", "--cp", "2", "--cp-layout", "zigzag"]),
+              "tp2-cp2-contiguous": (SCP, ["--tp", "2", "--cp", "2", "--cp-layout", "contiguous"]),
+              "dp2-cp2": (SCP, ["--dp", "2", "--cp", "2", "--mbs", "2"])}
+
+
+def _tp(layout):
+    _, extra = layout
+    return int(extra[extra.index("--tp") + 1]) if "--tp" in extra else 1
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank spawn runs TWO_RANKS in turn (a spawn costs seconds; a layout that raises on the ranks
+    is named, and the next ones still run unless a rank may be blocked in a collective with it)."""
+    return run_layouts(train_layout, TWO_RANKS, 2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One 4-rank spawn for FOUR_RANKS, as two_ranks."""
+    return run_layouts(train_layout, FOUR_RANKS, 4, timeout=300)
+
+
+@pytest.mark.parametrize("layout_id", TWO_RANKS)
+def test_sp_and_cp2_runs_equal_single_device(two_ranks, default_reference, layout_id):
     """tp 2 + sp, cp 2 in both ring layouts, and Ulysses around the layer's own (here eager) core."""
-    per_rank = run_ranks(train_layouts, 2, args=([(SCP, ["--tp", "2", "--sp"]),
-                                                  (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
-                                                  (SCP, ["--cp", "2", "--cp-layout", "zigzag"]),
-                                                  (SCP, ["--cp", "2", "--cp-attn", "ulysses", "--attn", "eager"])],),
-                         timeout=240)
-    ref = reference()
-    for i, tp in enumerate([2, 1, 1, 1]):
-        assert_matches_reference([r[i] for r in per_rank], ref, tp=tp)
+    assert_matches_reference(layout_results(two_ranks, layout_id), default_reference,
+                             tp=_tp(TWO_RANKS[layout_id]))
 
 
-def test_four_rank_layouts_equal_single_device():
+@pytest.mark.parametrize("layout_id", FOUR_RANKS)
+def test_four_rank_layouts_equal_single_device(four_ranks, default_reference, layout_id):
     """cp 4 both layouts (zig-zag: 8 chunks of 4 tokens), tp 2 + sp × cp 2 zig-zag, tp 2 × cp 2,
     dp 2 × cp 2 (mbs 2 per replica: the same global batch of 4)."""
-    layouts = [(SCP, ["--cp", "4", "--cp-layout", "contiguous"]), (SCP, ["--cp", "4", "--cp-layout", "zigzag"]),
-               (SCP, ["--tp", "2", "--sp", "--cp", "2", "--cp-layout", "zigzag"]),
-               (SCP, ["--tp", "2", "--cp", "2", "--cp-layout", "contiguous"]),
-               (SCP, ["--dp", "2", "--cp", "2", "--mbs", "2"])]
-    per_rank = run_ranks(train_layouts, 4, args=(layouts,), timeout=300)
-    ref = reference()
-    for i, tp in enumerate([1, 1, 2, 2, 1]):
-        assert_matches_reference([r[i] for r in per_rank], ref, tp=tp)
+    assert_matches_reference(layout_results(four_ranks, layout_id), default_reference,
+                             tp=_tp(FOUR_RANKS[layout_id]))
 
 
 def _check(*flags, world):

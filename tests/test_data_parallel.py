@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts, run_ranks
 
 process_grid = import_module("02_data_parallel.process_grid")
 MODES = ("naive", "overlap", "bucket")
@@ -97,23 +97,33 @@ def test_average_gradients_two_ranks():
         assert grad == [1.5, 1.5, 1.5] and none is None
 
 
-def _all_modes_rank(steps, grad_acc):
-    """Every --dp-mode in turn in the same 4 processes (one spawn for all three)."""
+def _mode_rank(mode, steps, grad_acc):
+    """One --dp-mode on this rank (a spawn runs the three in turn, in the same 4 processes)."""
     train02 = import_module("02_data_parallel.train")
-    out = {}
-    for mode in MODES:
-        records, model, ddp, meter = train02.main(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
-                                                             steps=steps, mbs=1, grad_acc=grad_acc))
-        out[mode] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                         state={k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()},  # numpy:
-                         # pickled by value (many tensors through the result queue exhaust shared-memory handles)
-                         wire=dict(meter.wire), calls=dict(meter.calls), events=list(ddp.step_events),
-                         grad_bytes=sum(p.numel() * p.element_size() for p in ddp.params),
-                         n_grads=len(ddp.params), n_buckets=len(getattr(ddp, "buckets", ddp.params)))
-    return out
+    records, model, ddp, meter = train02.main(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
+                                                         steps=steps, mbs=1, grad_acc=grad_acc))
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                state={k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()},  # numpy:
+                # pickled by value (many tensors through the result queue exhaust shared-memory handles)
+                wire=dict(meter.wire), calls=dict(meter.calls), events=list(ddp.step_events),
+                grad_bytes=sum(p.numel() * p.element_size() for p in ddp.params),
+                n_grads=len(ddp.params), n_buckets=len(getattr(ddp, "buckets", ddp.params)))
 
 
-def test_every_mode_matches_single_device_and_the_wire_formula():
+STEPS, GRAD_ACC, N = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def every_mode():
+    """One 4-rank spawn runs naive, overlap and bucket in turn (a spawn costs seconds; a mode that raises
+    on the ranks is named, and the next ones still run unless a rank may be blocked in a collective with
+    it), and 01's reference of the same global batch."""
+    reference = common.single_device_reference(steps=STEPS, mbs=N, grad_acc=GRAD_ACC)
+    return run_layouts(_mode_rank, {mode: mode for mode in MODES}, N, args=(STEPS, GRAD_ACC)), reference
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_matches_single_device_and_the_wire_formula(every_mode, mode):
     """dp 4 × mbs 1 × grad_acc 2 == 01 with mbs 4 × grad_acc 2, for naive, overlap and bucket.
 
     Losses to 1e-5, gradient norms to 1e-5 relative and parameters to 1e-5 after 2 steps (fp32): the
@@ -127,24 +137,23 @@ def test_every_mode_matches_single_device_and_the_wire_formula():
     (naive, overlap) or per bucket, and only once per step although grad_acc = 2 (no_sync).
     Overlap: a collective was launched before the last gradient of backward was produced.
     """
-    steps, grad_acc, n = 2, 2, 4
-    ref_losses, ref_norms, ref_state = common.single_device_reference(steps=steps, mbs=n, grad_acc=grad_acc)
-    results = run_ranks(_all_modes_rank, n, args=(steps, grad_acc))
-    for mode in MODES:
-        for rank, out in enumerate(results):
-            got = out[mode]
-            torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"{mode} rank {rank}")
-            torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=f"{mode} rank {rank} norms")
-            for name, ref in ref_state.items():
-                torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
-            psi, loss_bytes = got["grad_bytes"], 4
-            assert got["wire"] == {("all_reduce", "dp"): steps * (2 * (n - 1) * psi // n + 2 * (n - 1) * loss_bytes // n)}
-            per_step = got["n_buckets"] if mode == "bucket" else got["n_grads"]
-            assert got["calls"] == {("all_reduce", "dp"): steps * (per_step + 1)}
-            if mode != "naive":
-                events = got["events"]
-                first_launch = events.index(("launch", 0))
-                last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
-                assert first_launch < last_grad, f"{mode}: no communication before backward ended"
-                assert sum(e[0] == "grad" for e in events) == got["n_grads"]   # hooks only in the last micro-batch
-    assert results[0]["bucket"]["n_buckets"] > 4
+    steps, n = STEPS, N
+    outcomes, (ref_losses, ref_norms, ref_state) = every_mode
+    results = layout_results(outcomes, mode)
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"{mode} rank {rank}")
+        torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=f"{mode} rank {rank} norms")
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
+        psi, loss_bytes = got["grad_bytes"], 4
+        assert got["wire"] == {("all_reduce", "dp"): steps * (2 * (n - 1) * psi // n + 2 * (n - 1) * loss_bytes // n)}
+        per_step = got["n_buckets"] if mode == "bucket" else got["n_grads"]
+        assert got["calls"] == {("all_reduce", "dp"): steps * (per_step + 1)}
+        if mode != "naive":
+            events = got["events"]
+            first_launch = events.index(("launch", 0))
+            last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
+            assert first_launch < last_grad, f"{mode}: no communication before backward ended"
+            assert sum(e[0] == "grad" for e in events) == got["n_grads"]   # hooks only in the last micro-batch
+    if mode == "bucket":
+        assert results[0]["n_buckets"] > 4

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts
 
 modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -212,8 +212,8 @@ def _layer_twin(ep):
     return s_out, s_in
 
 
-def _whole_runs(runs):
-    """Each (flags, mbs, grad_acc) in turn in the same processes; routing counts recorded per call."""
+def _whole_run(flags, mbs, grad_acc):
+    """One EP × DP run of 07's trainer; routing counts recorded per EP layer call."""
     import torch.distributed as dist
     routed = []                                          # (E,) rows per expert of every EP layer call
     original = expert_parallel.expert_parallel_experts
@@ -221,21 +221,26 @@ def _whole_runs(runs):
     def recording(experts, rows, counts, group):
         routed.append(counts.clone())
         return original(experts, rows, counts, group)
-    expert_parallel.expert_parallel_experts = recording   # in this spawned process only
-    out = []
-    for flags, mbs, grad_acc in runs:
-        routed.clear()
+    expert_parallel.expert_parallel_experts = recording   # in this spawned process only, for this run
+    try:
         records, model, meter = train07.main(common.argv(*MOE, *flags, mbs=mbs, grad_acc=grad_acc))
-        counts = torch.stack(routed)                                          # (calls, E)
-        gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, counts)                                     # every rank's routing, after the meter
-        dense, experts = moe.split_parameters(model)
-        out.append(dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                        wire=dict(meter.wire), calls=dict(meter.calls),
-                        state={k: v.detach().clone() for k, v in model.state_dict().items()},
-                        counts=torch.stack(gathered), expert_bytes=[p.numel() * 4 for p in experts],
-                        dense_bytes=[p.numel() * 4 for p in dense]))
-    return out
+    finally:
+        expert_parallel.expert_parallel_experts = original
+    counts = torch.stack(routed)                                          # (calls, E)
+    gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, counts)                                     # every rank's routing, after the meter
+    dense, experts = moe.split_parameters(model)
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                wire=dict(meter.wire), calls=dict(meter.calls),
+                state={k: v.detach().clone() for k, v in model.state_dict().items()},
+                counts=torch.stack(gathered), expert_bytes=[p.numel() * 4 for p in experts],
+                dense_bytes=[p.numel() * 4 for p in dense])
+
+
+def _expert_layout(layout):
+    """On every rank: the layer twin ("twin", ep) or a whole run ("run", flags, mbs, grad_acc)."""
+    kind, *spec = layout
+    return _layer_twin(*spec) if kind == "twin" else _whole_run(*spec)
 
 
 @pytest.fixture(scope="module")
@@ -272,23 +277,44 @@ def check_run(got, ref, dp, ep, grad_acc, steps=3):
                                                              + 2 * (dp - 1) * 4 // dp)
 
 
-def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(reference):
-    (twin, got) = zip(*run_ranks(_spawn_two, 2))
-    assert all(s_out > 0 and s_in > 0 for s_out, s_in in twin)               # rows really travelled
-    check_run([runs[0] for runs in got], reference, dp=2, ep=2, grad_acc=2)
+TWO_RANKS = {"layer-twin-ep2": ("twin", 2), "dp2-ep2": ("run", ["--dp", 2, "--ep", 2], 2, 2)}
+FOUR_RANKS = {"layer-twin-ep4": ("twin", 4), "dp4-ep4": ("run", ["--dp", 4, "--ep", 4], 2, 1),
+              "dp4-ep2": ("run", ["--dp", 4, "--ep", 2], 1, 2)}
 
 
-def _spawn_two():
-    return _layer_twin(2), _whole_runs([(["--dp", 2, "--ep", 2], 2, 2)])
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank spawn runs TWO_RANKS in turn (a spawn costs seconds; a layout that raises on the ranks is
+    named, and the next ones still run unless a rank may be blocked in a collective with the failed one)."""
+    return run_layouts(_expert_layout, TWO_RANKS, 2)
 
 
-def _spawn_four():
-    return _layer_twin(4), _whole_runs([(["--dp", 4, "--ep", 4], 2, 1), (["--dp", 4, "--ep", 2], 1, 2)])
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One 4-rank spawn for FOUR_RANKS, as two_ranks."""
+    return run_layouts(_expert_layout, FOUR_RANKS, 4)
 
 
-def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(reference):
-    (twin, got) = zip(*run_ranks(_spawn_four, 4))
-    assert all(s_out > 0 for s_out, _ in twin)                                # every rank sent rows away
-    assert twin[3][1] == 0                                                    # the starved expert's owner
-    check_run([runs[0] for runs in got], reference, dp=4, ep=4, grad_acc=1)
-    check_run([runs[1] for runs in got], reference, dp=4, ep=2, grad_acc=2)
+def _check_whole_run(layout, got, reference):
+    _, flags, _, grad_acc = layout
+    dp, ep = flags[flags.index("--dp") + 1], flags[flags.index("--ep") + 1]
+    check_run(got, reference, dp=dp, ep=ep, grad_acc=grad_acc)
+
+
+@pytest.mark.parametrize("layout_id", TWO_RANKS)
+def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(two_ranks, reference, layout_id):
+    got = layout_results(two_ranks, layout_id)
+    if TWO_RANKS[layout_id][0] == "twin":          # the twin's numbers are asserted on the ranks
+        assert all(s_out > 0 and s_in > 0 for s_out, s_in in got)            # rows really travelled
+    else:
+        _check_whole_run(TWO_RANKS[layout_id], got, reference)
+
+
+@pytest.mark.parametrize("layout_id", FOUR_RANKS)
+def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(four_ranks, reference, layout_id):
+    got = layout_results(four_ranks, layout_id)
+    if FOUR_RANKS[layout_id][0] == "twin":
+        assert all(s_out > 0 for s_out, _ in got)                             # every rank sent rows away
+        assert got[3][1] == 0                                                 # the starved expert's owner
+    else:
+        _check_whole_run(FOUR_RANKS[layout_id], got, reference)

@@ -1,7 +1,9 @@
 """The multi-rank harness itself: real gloo collectives on 4 ranks, failures and hangs reported.
 
 Every other distributed test trusts this file: if a collective misbehaves here, nothing else can be
-believed. Expected values are exact integers, so the comparisons are exact.
+believed. Expected values are exact integers, so the comparisons are exact. Several layouts in one
+spawn: a layout that raises or hangs is named, and the layouts before it keep their results; those
+after it still run unless a rank may be blocked in a collective with the failed one.
 """
 import time
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankError, run_ranks
+from harness import RankError, layout_results, run_layouts, run_ranks
 
 
 def collectives_on_every_rank():
@@ -83,3 +85,51 @@ def test_ranks_can_return_many_tensors():
     for rank, out in enumerate(results):
         assert len(out) == 500
         assert all(torch.equal(t, torch.full((256,), float(rank * 1000 + i))) for i, t in enumerate(out.values()))
+
+
+def layout(kind):
+    """One layout of the tests below: sums the ranks (1 on 2 ranks) unless it raises or never ends."""
+    rank = dist.get_rank()
+    if kind == "raises everywhere":
+        raise ValueError(f"layout broke on rank {rank}")
+    if kind == "raises on rank 1":
+        if rank == 1:
+            raise ValueError("rank one broke")
+        dist.barrier()   # rank 0 waits for rank 1, which never comes
+    if kind == "never ends":
+        time.sleep(60)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_failing_layout_names_itself_and_the_next_ones_run_unless_a_rank_is_blocked():
+    """"broken" raised on every rank, so no rank waits for another: "after" runs. "one rank" raised on
+    rank 1 while rank 0 waits for it in a barrier: going on would pair rank 1's next collectives with
+    that barrier, so the ranks stop after `settle` s, and "last" says why it did not run."""
+    kinds = {"first": "sum", "broken": "raises everywhere", "after": "sum", "one rank": "raises on rank 1",
+             "last": "sum"}
+    outcomes = run_layouts(layout, kinds, world_size=2, timeout=60, settle=2)
+    assert layout_results(outcomes, "first") == layout_results(outcomes, "after") == [1.0, 1.0]
+    failures = {"broken": r"layout broken failed on rank \d of 2 \(and on ranks \[\d\]\):\n(.|\n)*"
+                          r"ValueError: layout broke on rank",
+                # rank 0's barrier may fail too once rank 1 has gone: "(and on ranks [0])"
+                "one rank": r"layout one rank failed on rank 1 of 2( \(and on ranks \[0\]\))?:\n(.|\n)*"
+                            r"ValueError: rank one broke",
+                "last": r"layout last was not run: layout one rank failed and not every rank finished it "
+                        r"within 2s"}
+    for layout_id, message in failures.items():
+        with pytest.raises(RankError, match=message):
+            layout_results(outcomes, layout_id)
+
+
+def test_a_layout_that_never_ends_is_named_and_the_ones_before_it_stand():
+    """After `timeout` s of silence the layout the ranks are in is named; the one after it was not run."""
+    kinds = {"first": "sum", "stuck": "never ends", "last": "sum"}
+    outcomes = run_layouts(layout, kinds, world_size=2, timeout=10)
+    assert layout_results(outcomes, "first") == [1.0, 1.0]
+    with pytest.raises(RankError, match=r"layout stuck did not finish on ranks \[0, 1\]: ranks \[0, 1\] "
+                                        r"sent nothing for 10s while in layouts \{0: 'stuck', 1: 'stuck'\}"):
+        layout_results(outcomes, "stuck")
+    with pytest.raises(RankError, match=r"layout last was not run: ranks \[0, 1\] sent nothing"):
+        layout_results(outcomes, "last")

@@ -15,7 +15,7 @@ import torch
 
 import common
 from harness import run_ranks
-from test_tensor_parallel import LOSS, PARAMS, reference, shard_like, train_layouts
+from test_tensor_parallel import LOSS, PARAMS, reference, shard_like, train_layout
 
 LAYOUTS = [("04_tensor_parallel.train", ["--tp", "4", "--dp-mode", "naive"]),
            ("05_sequence_context_parallel.train", ["--tp", "4", "--sp"]),
@@ -24,7 +24,7 @@ LAYOUTS = [("04_tensor_parallel.train", ["--tp", "4", "--dp-mode", "naive"]),
 
 
 def _runs(checkpoint_dir):
-    results = train_layouts(LAYOUTS[:2])
+    results = [train_layout(layout) for layout in LAYOUTS[:2]]
     stages = import_module("08_5d_combined.train").main(common.argv(*LAYOUTS[2][1], steps=3))
     pipeline = import_module("06_pipeline.pipeline")
     records = stages[0]

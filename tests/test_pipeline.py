@@ -1,6 +1,7 @@
 """06_pipeline: every schedule against the single-device run, and the schedules' own formulas.
 
-Whole-model checks (real gloo ranks; one spawn per world runs several flag sets in sequence):
+Whole-model checks (real gloo ranks; one spawn per world runs several flag sets in sequence, each
+checked in its own test):
 losses of every step and the final parameters equal 01's for the same global batch
 (dp·mbs·grad_acc), for pp 2 and 4, m from p to 2p+1, afab / 1f1b / interleaved (V = 1, 2) / zb-h1,
 and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts
 
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
@@ -29,98 +30,119 @@ STEPS, MBS = 2, 2
 TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
 
 
-def _runs(flag_sets):
-    """On every rank: train once per flag set (same process group); what the parent checks."""
+def _run(flag_set):
+    """On every rank: train once for one flag set (the spawn's process group); what the parent checks."""
     train = import_module("06_pipeline.train")
-    results = []
-    for extra, grad_acc, dtype in flag_sets:
-        records, stages, pipe, events, meter = train.main(
-            common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
-        results.append(dict(
-            losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records], pp_rank=pipe.rank, peak_held=pipe.peak_held, events=events,
-            sends=len(pipe.p2p.sent), isend_bytes=meter.total_wire("isend"),
-            # numpy, not tensors: a tensor crosses the result queue by shared memory, which a finished
-            # rank may have released before the parent reads it
-            state={pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages.state_dict().items()}))
-    return results
+    extra, grad_acc, dtype = flag_set
+    records, stages, pipe, events, meter = train.main(
+        common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
+    return dict(
+        losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records], pp_rank=pipe.rank,
+        peak_held=pipe.peak_held, events=events, sends=len(pipe.p2p.sent), isend_bytes=meter.total_wire("isend"),
+        # numpy, not tensors: a tensor crosses the result queue by shared memory, which a finished
+        # rank may have released before the parent reads it
+        state={pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages.state_dict().items()})
 
 
-def _check(flag_sets, per_rank, dp=1):
-    for i, (extra, m, dtype) in enumerate(flag_sets):
-        flags = dict(zip(extra[::2], extra[1::2]))
-        p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
-        layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
-        ref_extra = ["--num-layers", layers] if layers else []
-        ref_losses, ref_norms, ref_state = common.single_device_reference(*ref_extra, steps=STEPS, mbs=MBS * dp,
-                                                                          grad_acc=m, dtype=dtype)
-        tolerance = TOLERANCE[dtype]
-        runs = [rank_results[i] for rank_results in per_rank]
-        what = f"{schedule} p={p} V={V} m={m} dp={dp}"
-        state = {}
-        for run in runs:
-            assert run["losses"] == pytest.approx(ref_losses, rel=tolerance["loss"]), what
-            assert run["norms"] == pytest.approx(ref_norms, rel=tolerance["loss"]), what
-            for name, value in run["state"].items():
-                torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"], rtol=0,
-                                           msg=f"{what}: {name}")
-                state[name] = value
-            # --- memory: micro-batches whose activations a stage held at its peak ---
-            assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
-            assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p}.get(schedule, m * V)
-            # --- communication: activations forward, gradients backward, mbs·T·C float32 each ---
-            first, last = run["pp_rank"] == 0, run["pp_rank"] == p - 1
-            assert run["sends"] == m * (2 * V - first - last), what
-            element = 8 if dtype == "float64" else 4
-            assert run["isend_bytes"] == STEPS * run["sends"] * MBS * common.SEQ_LEN * 32 * element, what
-        assert state.keys() == ref_state.keys(), f"{what}: the stages do not cover the model exactly once"
-        # --- the executed timeline (rank 0's pipeline) ---
-        events = runs[0]["events"]
-        assert timeline.timeline_violations(events, p, V) == [], what
-        for rank in range(p):
-            ops = [e.op for e in events if e.rank == rank]
-            assert (ops.count("F"), ops.count("B"), ops.count("W")) == \
-                (m * V, m * V, m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
-        replayed = timeline.replayed_bubble(events, p, V)
-        assert replayed == pytest.approx(timeline.theory_bubble(schedule, p, m, V), abs=1e-9), what
-        print(f"{what}: bubble measured {timeline.measured_bubble(events):.0%} (CPU wall clock, noisy), "
-              f"replayed {replayed:.1%}, theory {timeline.theory_bubble(schedule, p, m, V):.1%}")
+def _check(flag_set, runs):
+    """One flag set's runs (every rank's) against 01 and the schedule's formulas."""
+    extra, m, dtype = flag_set
+    flags = dict(zip(extra[::2], extra[1::2]))
+    p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
+    dp = int(flags["--dp"])
+    layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
+    ref_extra = ["--num-layers", layers] if layers else []
+    ref_losses, ref_norms, ref_state = common.single_device_reference(*ref_extra, steps=STEPS, mbs=MBS * dp,
+                                                                      grad_acc=m, dtype=dtype)
+    tolerance = TOLERANCE[dtype]
+    what = f"{schedule} p={p} V={V} m={m} dp={dp}"
+    state = {}
+    for run in runs:
+        assert run["losses"] == pytest.approx(ref_losses, rel=tolerance["loss"]), what
+        assert run["norms"] == pytest.approx(ref_norms, rel=tolerance["loss"]), what
+        for name, value in run["state"].items():
+            torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"], rtol=0,
+                                       msg=f"{what}: {name}")
+            state[name] = value
+        # --- memory: micro-batches whose activations a stage held at its peak ---
+        assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
+        assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p}.get(schedule, m * V)
+        # --- communication: activations forward, gradients backward, mbs·T·C float32 each ---
+        first, last = run["pp_rank"] == 0, run["pp_rank"] == p - 1
+        assert run["sends"] == m * (2 * V - first - last), what
+        element = 8 if dtype == "float64" else 4
+        assert run["isend_bytes"] == STEPS * run["sends"] * MBS * common.SEQ_LEN * 32 * element, what
+    assert state.keys() == ref_state.keys(), f"{what}: the stages do not cover the model exactly once"
+    # --- the executed timeline (rank 0's pipeline) ---
+    events = runs[0]["events"]
+    assert timeline.timeline_violations(events, p, V) == [], what
+    for rank in range(p):
+        ops = [e.op for e in events if e.rank == rank]
+        assert (ops.count("F"), ops.count("B"), ops.count("W")) == \
+            (m * V, m * V, m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
+    replayed = timeline.replayed_bubble(events, p, V)
+    assert replayed == pytest.approx(timeline.theory_bubble(schedule, p, m, V), abs=1e-9), what
+    print(f"{what}: bubble measured {timeline.measured_bubble(events):.0%} (CPU wall clock, noisy), "
+          f"replayed {replayed:.1%}, theory {timeline.theory_bubble(schedule, p, m, V):.1%}")
 
 
 def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
+    """(id, flag set): the id names the world, the schedule, V, m and what differs from the defaults."""
     extra = ["--pp", str(pp), "--pp-schedule", schedule, "--pp-chunks", str(chunks), "--dp", str(dp)]
-    return (extra + (["--num-layers", str(layers)] if layers else []), m, dtype)
+    name = "-".join([f"dp{dp}"] * (dp > 1) + [f"pp{pp}", schedule] + [f"v{chunks}"] * (chunks > 1) + [f"m{m}"]
+                    + [f"{layers}layers"] * bool(layers) + ["fp64"] * (dtype == "float64"))
+    return name, (extra + (["--num-layers", str(layers)] if layers else []), m, dtype)
 
 
-PP4 = [_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
-       _flags(4, "interleaved", 8, chunks=2, layers=8)]          # the command of 06's README
-PP2 = [_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2), _flags(2, "interleaved", 2, chunks=2),
-       _flags(2, "interleaved", 4, chunks=2)]
-DP2_PP2 = [_flags(2, schedule, m, chunks, dp=2, dtype="float64")
-           for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2))]
+PP4 = dict([_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
+            _flags(4, "interleaved", 8, chunks=2, layers=8)])          # the command of 06's README
+PP2 = dict([_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2),
+            _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2)])
+DP2_PP2 = dict(_flags(2, schedule, m, chunks, dp=2, dtype="float64")
+               for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2)))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One spawn of 4 ranks runs PP4's flag sets, then DP2_PP2's, in turn (a spawn costs seconds; the
+    harness names a layout that raises on the ranks, and runs the next ones unless a rank may be blocked
+    in a collective with the failed one)."""
+    return run_layouts(_run, {**PP4, **DP2_PP2}, 4)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One spawn of 2 ranks for PP2, as four_ranks; zb-h1 also draws its timeline (a PNG, --timeline)."""
+    picture = tmp_path_factory.mktemp("timeline") / "zb.png"
+    flag_sets = {name: (extra + (["--timeline", str(picture)] if "zb-h1" in extra else []), m, dtype)
+                 for name, (extra, m, dtype) in PP2.items()}
+    return run_layouts(_run, flag_sets, 2), picture
 
 
 @pytest.mark.timeout(240)
-def test_pp4_every_schedule_matches_single_device():
-    _check(PP4, run_ranks(_runs, 4, args=(PP4,)))
+@pytest.mark.parametrize("layout_id", PP4)
+def test_pp4_every_schedule_matches_single_device(four_ranks, layout_id):
+    _check(PP4[layout_id], layout_results(four_ranks, layout_id))
 
 
 @pytest.mark.timeout(240)
-def test_pp2_every_schedule_matches_single_device(tmp_path):
-    """Also draws one timeline: --timeline writes a PNG (matplotlib) of the last step."""
-    picture = tmp_path / "zb.png"
-    flag_sets = [(extra + (["--timeline", str(picture)] if "zb-h1" in extra else []), m, dtype)
-                 for extra, m, dtype in PP2]
-    _check(flag_sets, run_ranks(_runs, 2, args=(flag_sets,)))
-    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+@pytest.mark.parametrize("layout_id", PP2)
+def test_pp2_every_schedule_matches_single_device(two_ranks, layout_id):
+    """zb-h1 also draws one timeline: --timeline writes a PNG (matplotlib) of the last step."""
+    outcomes, picture = two_ranks
+    _check(PP2[layout_id], layout_results(outcomes, layout_id))
+    if "zb-h1" in PP2[layout_id][0]:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(240)
-def test_dp2_pp2_matches_single_device():
+@pytest.mark.parametrize("layout_id", DP2_PP2)
+def test_dp2_pp2_matches_single_device(four_ranks, layout_id):
     """Each pipeline reads its half of every micro-batch: 01 runs with mbs·dp. float64: the dp average
     sums the two halves' gradients in another order than 01's one batch, and AdamW's first steps
     (update ≈ lr·g/|g|) turn float32 rounding of near-zero gradients into ~1e-4 parameter differences;
     in float64 the same rounding stays below 1e-9."""
-    _check(DP2_PP2, run_ranks(_runs, 4, args=(DP2_PP2,)), dp=2)
+    _check(DP2_PP2[layout_id], layout_results(four_ranks, layout_id))
 
 
 def test_layer_partition_and_stage_modules():

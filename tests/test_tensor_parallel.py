@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts, run_ranks
 
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
@@ -60,14 +60,12 @@ def reference(*extra, **kw):
             {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-def train_layouts(layouts, steps=3):
-    """On every rank: run NN/train.py's main() for each (module, flags); losses, norms, state dicts."""
-    results = []
-    for module, extra in layouts:
-        records, model = import_module(module).main(common.argv(*extra, steps=steps))[:2]
-        results.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],   # numpy: pickled
-                        {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}))  # by value
-    return results
+def train_layout(layout, steps=3):
+    """On every rank: run NN/train.py's main() for one (module, flags); losses, norms, state dict."""
+    module, extra = layout
+    records, model = import_module(module).main(common.argv(*extra, steps=steps))[:2]
+    return ([r["loss"] for r in records], [r["grad_norm"] for r in records],                 # numpy: pickled
+            {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()})  # by value
 
 
 def assert_matches_reference(per_rank, ref, tp):
@@ -211,40 +209,65 @@ def test_communication_matches_megatron_formula():
 TP = "04_tensor_parallel.train"
 
 
-def tp2_runs(layouts, checkpoint_dir):
-    """The layouts, then a resume from the step-2 checkpoint the first one wrote (step 3 deleted)."""
-    results = train_layouts(layouts)
-    if torch.distributed.get_rank() == 0:
-        shutil.rmtree(Path(checkpoint_dir) / "step_000003")
-    torch.distributed.barrier()
-    return results + train_layouts([(TP, ["--tp", "2", "--checkpoint-dir", checkpoint_dir, "--resume"])])
+def tp2_run(layout):
+    """One layout; a resume first removes the step-3 checkpoint the layout before it wrote (rank 0)."""
+    _, extra = layout
+    if "--resume" in extra:
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(Path(extra[extra.index("--checkpoint-dir") + 1]) / "step_000003")
+        torch.distributed.barrier()
+    return train_layout(layout)
 
 
-def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tmp_path):
-    """tp 2 on the default tiny model, saving per-rank shards at step 2; resumed from them, step 3
-    is the same again. Then tp 2 started from an HF-format directory (--init-from) with tied
-    embeddings: the full checkpoint is loaded on every rank and sliced, and the tied vocab-parallel
-    embedding and head share one (V/t, C) shard."""
+@pytest.fixture(scope="module")
+def tp2_runs(tmp_path_factory):
+    """One 2-rank spawn for the layouts of the test below, in turn: tp2-resumed resumes from the checkpoints
+    tp2-checkpoints wrote (if that one failed, this one fails too). A layout that raises on the ranks is
+    named, and the next ones still run unless a rank may be blocked in a collective with the failed one."""
+    tmp_path = tmp_path_factory.mktemp("tp2")
     config = cli.model_config(cli.parse_args(cli.core_parser("t"), common.argv("--tie-embeddings")),
                               data.ByteTokenizer().vocab_size)
     torch.manual_seed(7)
     hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp_path / "hf")
     init, ckpt = ("--init-from", str(tmp_path / "hf")), str(tmp_path / "ckpt")
-    layouts = [(TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"]), (TP, ["--tp", "2", *init])]
-    per_rank = run_ranks(tp2_runs, 2, args=(layouts, ckpt), timeout=180)
-    losses, norms, state = ref = reference()
-    assert_matches_reference([r[0] for r in per_rank], ref, tp=2)
-    assert_matches_reference([r[2] for r in per_rank], (losses[2:], norms[2:], state), tp=2)
-    assert_matches_reference([r[1] for r in per_rank], reference(*init), tp=2)
+    layouts = {"tp2-checkpoints": (TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"]),
+               "tp2-hf-init": (TP, ["--tp", "2", *init]),
+               "tp2-resumed": (TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--resume"])}
+    return run_layouts(tp2_run, layouts, 2, timeout=180), init
 
 
-def test_tp4_and_dp2_tp2_equal_single_device():
+@pytest.mark.parametrize("layout_id", ["tp2-checkpoints", "tp2-hf-init", "tp2-resumed"])
+def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tp2_runs, default_reference, layout_id):
+    """tp 2 on the default tiny model, saving per-rank shards at step 2; resumed from them, step 3
+    is the same again. Then tp 2 started from an HF-format directory (--init-from) with tied
+    embeddings: the full checkpoint is loaded on every rank and sliced, and the tied vocab-parallel
+    embedding and head share one (V/t, C) shard."""
+    outcomes, init = tp2_runs
+    ref = default_reference
+    if layout_id == "tp2-resumed":                        # one step: 01's third
+        losses, norms, state = default_reference
+        ref = (losses[2:], norms[2:], state)
+    elif layout_id == "tp2-hf-init":
+        ref = reference(*init)
+    assert_matches_reference(layout_results(outcomes, layout_id), ref, tp=2)
+
+
+FOUR_RANKS = {"tp4": (TP, ["--tp", "4", "--num-kv-heads", "4"]),
+              "dp2-tp2": (TP, ["--tp", "2", "--dp", "2", "--mbs", "2"])}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One 4-rank spawn for FOUR_RANKS, in turn (as tp2_runs)."""
+    return run_layouts(train_layout, FOUR_RANKS, 4)
+
+
+@pytest.mark.parametrize("layout_id", FOUR_RANKS)
+def test_tp4_and_dp2_tp2_equal_single_device(four_ranks, default_reference, layout_id):
     """tp 4 needs 4 kv heads (the tiny preset has 2: --num-kv-heads 4 on both sides); dp 2 × tp 2
     with mbs 2 per replica is the global batch of 4 that 01 takes in one micro-batch."""
-    per_rank = run_ranks(train_layouts, 4, args=([(TP, ["--tp", "4", "--num-kv-heads", "4"]),
-                                                  (TP, ["--tp", "2", "--dp", "2", "--mbs", "2"])],), timeout=240)
-    assert_matches_reference([r[0] for r in per_rank], reference("--num-kv-heads", "4"), tp=4)
-    assert_matches_reference([r[1] for r in per_rank], reference(), tp=2)
+    ref, tp = (reference("--num-kv-heads", "4"), 4) if layout_id == "tp4" else (default_reference, 2)
+    assert_matches_reference(layout_results(four_ranks, layout_id), ref, tp=tp)
 
 
 def _check(*flags, world=None):

@@ -9,10 +9,11 @@ against zero.py's docstring formulas.
 """
 from importlib import import_module
 
+import pytest
 import torch
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts, run_ranks
 
 zero_mod = import_module("03_zero.zero")
 
@@ -20,23 +21,20 @@ ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--inte
 STAGES = (1, 2, 3)
 
 
-def _zero_rank(stages, steps, grad_acc, extra=()):
-    """Each ZeRO stage in turn in the same processes (one spawn for all of them)."""
+def _zero_stage(stage, steps, grad_acc, extra=()):
+    """One ZeRO stage on this rank (a spawn runs the stages in turn, in the same processes)."""
     zero_train = import_module("03_zero.train")
-    out = {}
-    for stage in stages:
-        records, zero, model, optimizer, meter = zero_train.main(
-            common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps, mbs=1,
-                        grad_acc=grad_acc))
-        events = list(zero.events)                  # the last step's, before full_state_dict gathers
-        out[stage] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                          state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},  # numpy:
-                          # pickled by value (many tensors through the result queue exhaust shared-memory handles)
-                          wire=dict(meter.wire), calls=dict(meter.calls), events=events,
-                          held=zero.model_state_bytes(model, optimizer), padded_bytes=zero.padded_bytes,
-                          unpadded_bytes=sum(p.numel() * 4 for p in model.parameters()), units=len(zero.units),
-                          expected_held=zero_mod.expected_state_bytes(stage, world_size(), zero.padded_bytes))
-    return out
+    records, zero, model, optimizer, meter = zero_train.main(
+        common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps, mbs=1,
+                    grad_acc=grad_acc))
+    events = list(zero.events)                  # the last step's, before full_state_dict gathers
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},  # numpy:
+                # pickled by value (many tensors through the result queue exhaust shared-memory handles)
+                wire=dict(meter.wire), calls=dict(meter.calls), events=events,
+                held=zero.model_state_bytes(model, optimizer), padded_bytes=zero.padded_bytes,
+                unpadded_bytes=sum(p.numel() * 4 for p in model.parameters()), units=len(zero.units),
+                expected_held=zero_mod.expected_state_bytes(stage, world_size(), zero.padded_bytes))
 
 
 def world_size():
@@ -51,20 +49,36 @@ def single_device(steps, mbs, grad_acc, extra=()):
     return [r["loss"] for r in records], [r["grad_norm"] for r in records], model.state_dict()
 
 
-def check_against_single(results, steps, grad_acc, n, stages, extra=()):
-    """Numbers per stage; the tolerance is explained in the test docstrings."""
-    ref_losses, ref_norms, ref_state = single_device(steps, n, grad_acc, extra)
-    for stage in stages:
-        for rank, out in enumerate(results):
-            got, what = out[stage], f"ZeRO-{stage} rank {rank}"
-            torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=what)
-            torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=what)
-            for name, ref in ref_state.items():
-                torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5,
-                                           msg=f"{what} {name}")
+def check_against_single(per_rank, stage, ref):
+    """One stage's numbers on every rank against 01's; the tolerance is explained in the test docstrings."""
+    ref_losses, ref_norms, ref_state = ref
+    for rank, got in enumerate(per_rank):
+        what = f"ZeRO-{stage} rank {rank}"
+        torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=what)
+        torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=what)
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5,
+                                       msg=f"{what} {name}")
 
 
-def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
+STEPS, GRAD_ACC, N = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def dp4_stages():
+    """One 4-rank spawn runs stages 1, 2, 3 in turn (a spawn costs seconds; a stage that raises on the
+    ranks is named, and the next ones still run unless a rank may be blocked in a collective with it)."""
+    return run_layouts(_zero_stage, {f"zero{stage}": stage for stage in STAGES}, N, args=(STEPS, GRAD_ACC))
+
+
+@pytest.fixture(scope="module")
+def dp4_reference():
+    """01 with mbs 4 × grad_acc 2, the reference of every stage."""
+    return single_device(STEPS, N, GRAD_ACC)
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda stage: f"zero{stage}")
+def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas(dp4_stages, dp4_reference, stage):
     """dp 4 × mbs 1 × grad_acc 2, stages 1-3, == 01 with mbs 4 × grad_acc 2, and the formulas hold.
 
     Tolerances (fp32): losses 1e-5 absolute, parameters 1e-5 after 2 AdamW steps, norms 1e-5
@@ -81,12 +95,12 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
     micro-batch, the head's reduce-scatter comes before the embedding's gradient exists; stage 3 issues
     unit k+1's all-gather before unit k runs. Every rank is checked.
     """
-    steps, grad_acc, n = 2, 2, 4
-    results = run_ranks(_zero_rank, n, args=(STAGES, steps, grad_acc))
-    check_against_single(results, steps, grad_acc, n, STAGES)
+    steps, grad_acc, n = STEPS, GRAD_ACC, N
+    results = layout_results(dp4_stages, f"zero{stage}")
+    check_against_single(results, stage, dp4_reference)
     scalar_wire = 2 * (n - 1) * 4 // n
-    for stage, (rank, out) in ((stage, r) for stage in STAGES for r in enumerate(results)):
-        got, what = out[stage], f"ZeRO-{stage} rank {rank}"
+    for rank, got in enumerate(results):
+        what = f"ZeRO-{stage} rank {rank}"
         psi = got["padded_bytes"]
         assert psi > got["unpadded_bytes"] and psi % (4 * n) == 0, what     # padding really happened
         ring = (n - 1) * psi // n
@@ -103,12 +117,13 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas():
             first = events[:events.index(("reduce_scatter", units - 1), events.index(("reduce_scatter", 0)))]
             assert first.index(("reduce_scatter", units - 1)) < max(
                 i for i, e in enumerate(first) if e == ("grad", 0)), f"{what}: no overlap with backward"
-    events = results[0][3]["events"]
-    units = results[0][3]["units"]
-    assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc   # forward + backward
-    forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]   # first micro-batch's forward
-    for k in range(units - 1):
-        assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
+    if stage == 3:
+        events = results[0]["events"]
+        units = results[0]["units"]
+        assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc   # forward + backward
+        forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]   # first micro-batch's forward
+        for k in range(units - 1):
+            assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
 
 
 def test_zero3_dp2_with_full_recompute():
@@ -118,16 +133,15 @@ def test_zero3_dp2_with_full_recompute():
     gathered the layer again: the hooks must leave the parameters in place for it.
     """
     results = run_ranks(_zero_rank_dp2, 2)
-    check_against_single(results, 2, 1, 2, (3,), extra=("--recompute", "full"))
+    check_against_single(results, 3, single_device(2, 2, 1, extra=("--recompute", "full")))
 
 
 def _zero_rank_dp2():
-    return _zero_rank((3,), 2, 1, extra=("--recompute", "full"))
+    return _zero_stage(3, 2, 1, extra=("--recompute", "full"))
 
 
 def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
     """A wrong world size, or ZeRO-3 with tied weights, exits with the fix named and no group made."""
-    import pytest
     import torch.distributed as dist
     zero_train = import_module("03_zero.train")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # before kernels/ is imported, here and in the spawned ranks
 
 import common
-from harness import run_ranks
+from harness import layout_results, run_layouts
 
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
@@ -65,47 +65,47 @@ def _metered(pipe, method, meter, calls):
     setattr(pipe, method, run)
 
 
-def _step_gradients(flag_sets):
-    """On every rank, per flag set: the seeded model parallelised by 08, one step's schedule; this
+def _step_gradients(extra):
+    """On every rank, for one flag set: the seeded model parallelised by 08, one step's schedule; this
     rank's gradients (by 01's names) and the communication its B and W passes issued (zb-h1)."""
-    results = []
-    for extra in flag_sets:
-        args, config, dataset = cli.setup(layout.build_parser("test"), common.argv(
-            *extra, steps=1, mbs=2, grad_acc=M, dtype="float64"), layout.check_layout)
-        grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
-        full = build.build_model(args, config)
-        stages = layout.parallelize(full, args, grid, build.device_of(args))
-        build.materialize(full, args, keep=stages.parameters())
-        pipe = _pipeline(args, grid, stages)
-        meters, calls = {op: comm.CommMeter(grid.group_names()) for op in ("B", "W")}, []
-        if args.pp_schedule == "zb-h1":
-            _metered(pipe, "backward_input", meters["B"], calls)
-            _metered(pipe, "backward_weight", meters["W"], calls)
-        sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
-        micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
-        schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
-        results.append(dict(
-            grads={pipeline.single_device_name(n): None if p.grad is None else p.grad.numpy().copy()
-                   for n, p in stages.named_parameters()},
-            w_passes=calls.count("backward_weight"),
-            comm={op: dict(m.calls) for op, m in meters.items()}))
-    return results
+    args, config, dataset = cli.setup(layout.build_parser("test"), common.argv(
+        *extra, steps=1, mbs=2, grad_acc=M, dtype="float64"), layout.check_layout)
+    grid = process_grid.init_distributed(args.device, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    full = build.build_model(args, config)
+    stages = layout.parallelize(full, args, grid, build.device_of(args))
+    build.materialize(full, args, keep=stages.parameters())
+    pipe = _pipeline(args, grid, stages)
+    meters, calls = {op: comm.CommMeter(grid.group_names()) for op in ("B", "W")}, []
+    if args.pp_schedule == "zb-h1":
+        _metered(pipe, "backward_input", meters["B"], calls)
+        _metered(pipe, "backward_weight", meters["W"], calls)
+    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
+    micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
+    schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
+    return dict(grads={pipeline.single_device_name(n): None if p.grad is None else p.grad.numpy().copy()
+                       for n, p in stages.named_parameters()},
+                w_passes=calls.count("backward_weight"),
+                comm={op: dict(m.calls) for op, m in meters.items()})
 
 
-def _check_same_gradients(flag_sets, per_rank):
-    """Flag sets come in pairs (1f1b, zb-h1); returns the zb-h1 runs of every rank."""
+def _pair_gradients(pair):
+    """On every rank: one step of each flag set of the pair (1f1b, then zb-h1)."""
+    return [_step_gradients(extra) for extra in pair]
+
+
+def _check_same_gradients(pair, per_rank):
+    """A pair's runs (1f1b, zb-h1) on every rank; returns the zb-h1 run of every rank."""
     zb_runs = []
-    for rank, runs in enumerate(per_rank):
-        for i in range(0, len(flag_sets), 2):
-            reference, split = runs[i]["grads"], runs[i + 1]["grads"]
-            what = f"{' '.join(flag_sets[i + 1])}, rank {rank}"
-            assert split.keys() == reference.keys(), what
-            for name, expected in reference.items():
-                assert expected is not None, f"{what}: 1f1b left {name} without a gradient"
-                assert split[name] is not None, f"{what}: zb-h1 left {name} without a gradient"
-                torch.testing.assert_close(torch.from_numpy(split[name]), torch.from_numpy(expected), **GRADIENTS,
-                                           msg=lambda m: f"{what} {name}: {m}")
-            zb_runs.append((what, runs[i + 1]))
+    for rank, (reference_run, split_run) in enumerate(per_rank):
+        reference, split = reference_run["grads"], split_run["grads"]
+        what = f"{' '.join(pair[1])}, rank {rank}"
+        assert split.keys() == reference.keys(), what
+        for name, expected in reference.items():
+            assert expected is not None, f"{what}: 1f1b left {name} without a gradient"
+            assert split[name] is not None, f"{what}: zb-h1 left {name} without a gradient"
+            torch.testing.assert_close(torch.from_numpy(split[name]), torch.from_numpy(expected), **GRADIENTS,
+                                       msg=lambda m: f"{what} {name}: {m}")
+        zb_runs.append((what, split_run))
     return zb_runs
 
 
@@ -113,23 +113,32 @@ def _pairs(*extra):
     return [["--pp", "2", "--pp-schedule", schedule, *map(str, extra)] for schedule in ("1f1b", "zb-h1")]
 
 
-PP2 = _pairs() + _pairs("--recompute", "full") + _pairs("--kernels", "triton")
-TP2_SP_PP2 = _pairs("--tp", 2, "--sp")
+PP2 = {"pp2": _pairs(), "pp2-recompute-full": _pairs("--recompute", "full"),
+       "pp2-triton": _pairs("--kernels", "triton")}
+TP2_SP_PP2 = {"tp2sp-pp2": _pairs("--tp", 2, "--sp")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank spawn runs PP2's pairs in turn (a spawn costs seconds; a pair that raises on the ranks
+    is named, and the next ones still run unless a rank may be blocked in a collective with it)."""
+    return run_layouts(_pair_gradients, PP2, 2, timeout=280)
 
 
 @pytest.mark.timeout(300)
-def test_zb_h1_gradients_equal_1f1b_pp2():
+@pytest.mark.parametrize("pair", PP2)
+def test_zb_h1_gradients_equal_1f1b_pp2(two_ranks, pair):
     """Every parameter, lm_head's included (--kernels triton: the fused loss), gets 1F1B's gradient;
     with --recompute full too (the split sits in the recomputed linears, W needs only their X, dY)."""
-    _check_same_gradients(PP2, run_ranks(_step_gradients, 2, args=(PP2,), timeout=280))
+    _check_same_gradients(PP2[pair], layout_results(two_ranks, pair))
 
 
 @pytest.mark.timeout(300)
 def test_zb_h1_weight_passes_issue_no_communication_under_sp():
     """tp2 + sp × pp2: W is matmuls only. The all-gather of o_proj's and down_proj's ḡ backward runs
     once, in B; the meter around the B passes sees the tp collectives (it is live)."""
-    per_rank = run_ranks(_step_gradients, 4, args=(TP2_SP_PP2,), timeout=280)
-    for what, run in _check_same_gradients(TP2_SP_PP2, per_rank):
+    per_rank = layout_results(run_layouts(_pair_gradients, TP2_SP_PP2, 4, timeout=280), "tp2sp-pp2")
+    for what, run in _check_same_gradients(TP2_SP_PP2["tp2sp-pp2"], per_rank):
         assert run["w_passes"] == M, what
         assert run["comm"]["W"] == {}, f"{what}: the W passes communicated: {run['comm']['W']}"
         assert run["comm"]["B"].get(("all_gather", "tp"), 0) > 0, what
