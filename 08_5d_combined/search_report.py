@@ -17,6 +17,7 @@ search = import_module("08_5d_combined.search")
 planner = import_module("08_5d_combined.planner")
 
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble")
+RECOMPUTE = ("none", "selective", "full")
 
 
 def parts(plan) -> dict:
@@ -36,8 +37,8 @@ def describe(plan) -> str:
 def row(rank, plan, flops_per_step, gpus) -> str:
     step, split = plan.times["step"], parts(plan)
     tflops = flops_per_step / (step * gpus) / 1e12
-    return (f"{rank:>3}{describe(plan)}{plan.memory / 1e9:>8.1f}{step:>9.3f}"
-            + "".join(f"{split[k]:>8.3f}" for k in PARTS) + f"{tflops:>8.0f}")
+    return (f"{rank:>3}{describe(plan)}{plan.memory / 1e9:>7.1f}{step:>9.3f}"
+            + "".join(f"{100 * split[k] / step:>7.1f}" for k in PARTS) + f"{tflops:>6.0f}")
 
 
 def versus(plans, best, label, keep) -> str:
@@ -51,31 +52,31 @@ def versus(plans, best, label, keep) -> str:
     name = f"#{plans.index(other) + 1}"
     if slower <= search.TIES:
         return f"{label}: {name} is as fast (within {search.TIES:.0%}); the rules rank it after"
-    cause = f" (recompute {other.layout.recompute})" if worst == "compute" and \
-        other.layout.recompute != best.layout.recompute else ""
+    heavier = RECOMPUTE.index(other.layout.recompute) > RECOMPUTE.index(best.layout.recompute)
+    cause = f" (recompute {other.layout.recompute})" if worst == "compute" and heavier else ""
     return f"{label}: {name} is {slower:.1%} slower, mostly its {worst}{cause} (+{diff[worst]:.3f} s)"
 
 
 def why(plans, best, cluster) -> list:
     """The rules that chose `best`, and what each of its choices saves (the fastest plan without it)."""
     lay, split, step = best.layout, parts(best), best.times["step"]
-    share = lambda seconds: f"{seconds:.3f} s ({seconds / step:.1%} of the step)"            # noqa: E731
+    share = lambda seconds: f"{seconds:.3f} s ({seconds / step:.1%})"                        # noqa: E731
     lines = [f"fit: {best.memory / 1e9:.1f} GB of {cluster.memory / 1e9:.0f} usable per rank"]
     if lay.tp > 1:
         node = "inside a node" if lay.tp <= cluster.per_node else "across nodes"
         lines.append(f"tp {lay.tp}{' + SP' if lay.sp else ''}: {node} (Megatron rule #1), on the critical "
-                     f"path (playbook §2.5): exposed {share(split['tp'])}")
+                     f"path (playbook §2.5): {share(split['tp'])} exposed")
     if lay.pp > 1:
-        lines.append(f"pp {lay.pp}: {lay.schedule} bubble {best.bubble:.1%} of the useful time with m = "
+        lines.append(f"pp {lay.pp}: {lay.schedule} bubble {best.bubble:.1%} of the useful time, m = "
                      f"{best.m}{f', V = {lay.chunks}' if lay.chunks > 1 else ''}: {share(split['bubble'])}")
     if lay.cp > 1:
-        lines.append(f"cp {lay.cp}: each sequence split {lay.cp} ways (activations / cp): exposed "
-                     f"{share(split['cp'])}")
+        lines.append(f"cp {lay.cp}: each sequence split {lay.cp} ways (activations / cp): "
+                     f"{share(split['cp'])} exposed")
     if lay.ep > 1:
-        lines.append(f"ep {lay.ep}: the experts split over {lay.ep} dp ranks; exposed all-to-alls "
-                     f"{share(split['ep'])}")
-    lines.append(f"dp {lay.dp}: the rest of the GPUs (Megatron rule #2: model parallelism to fit, then dp): "
-                 f"exposed gradient traffic {share(split['dp'])}")
+        lines.append(f"ep {lay.ep}: the experts split over {lay.ep} dp ranks: {share(split['ep'])} of "
+                     f"all-to-alls exposed")
+    lines.append(f"dp {lay.dp}: the rest (Megatron rule #2: model parallelism to fit, then dp): "
+                 f"{share(split['dp'])} exposed")
     for dim in ("tp", "pp", "cp"):
         if getattr(lay, dim) > 1:
             lines.append(versus(plans, best, f"with {dim} 1", lambda p, d=dim: getattr(p.layout, d) == 1))
@@ -91,7 +92,7 @@ def why(plans, best, cluster) -> list:
     lines.append(versus(plans, best, "with another micro-batch size", same))
     least = min(plan.model_parallel for plan in plans)
     if least < best.model_parallel:
-        lines.append(versus(plans, best, f"with the least model parallelism that fits, tp·pp·cp = {least}",
+        lines.append(versus(plans, best, f"with the least model parallelism, tp·pp·cp = {least}",
                             lambda p: p.model_parallel == least))
     return lines
 
@@ -150,14 +151,14 @@ def main(args, parser):
           f"ffn {config.intermediate_size}, vocab {config.vocab_size}; {args.precision} precision")
     print(f"cluster: {cluster.gpus} × {args.gpu}, {cluster.per_node} per node: {cluster.peak / 1e12:g} "
           f"TFLOP/s, {cluster.memory / 1e9 + args.mem_reserve:g} GB ({cluster.memory / 1e9:g} usable), HBM "
-          f"{cluster.hbm / 1e12:g} TB/s, links {cluster.intra / 1e9:g} GB/s in a node and "
-          f"{cluster.inter / 1e9:g} across (per GPU; datasheet values for --gpu {args.gpu}, or the flags')")
-    print(f"assumed MFU {cluster.mfu:.0%} of peak on every FLOP executed (--mfu); global batch {batch} × "
-          f"{args.seq_len} = {batch * args.seq_len:,} tokens; {flops * batch * args.seq_len:.3g} model FLOPs "
-          f"per step (6·N·tokens + attention)")
-    print(f"step 1, fit: playbook §3.1 advises for {params / 1e9:.1f}B parameters on {cluster.gpus} GPUs: "
-          f"{playbook_step1(params, cluster.gpus, args.seq_len, args.num_experts)}; the search tries every "
-          f"layout and prunes ({sum(pruned.values())} in all):")
+          f"{cluster.hbm / 1e12:g} TB/s,\n         links per GPU {cluster.intra / 1e9:g} GB/s in a node, "
+          f"{cluster.inter / 1e9:g} GB/s across (the {args.gpu} datasheet's unless flags say)")
+    print(f"assumed MFU {cluster.mfu:.0%} of peak on every FLOP executed (--mfu)")
+    print(f"global batch {batch} × {args.seq_len} = {batch * args.seq_len:,} tokens; "
+          f"{flops * batch * args.seq_len:.3g} model FLOPs per step (6·N·tokens + attention)")
+    print(f"step 1, fit: the playbook (§3.1) advises for {params / 1e9:.1f}B parameters on {cluster.gpus} "
+          f"GPUs:\n  {playbook_step1(params, cluster.gpus, args.seq_len, args.num_experts)}\n"
+          f"  the search tries every layout; pruned ({sum(pruned.values())} in all):")
     for rule, count in pruned.most_common():
         print(f"  {count:>7}  {rule}")
     if not plans:
@@ -166,11 +167,11 @@ def main(args, parser):
     smallest = min(p.model_parallel for p in plans)
     print(f"  {len(plans)} layouts fit; the smallest model parallelism that fits is tp·pp·cp = {smallest}")
     print(f"step 2, batch: every layout kept splits {batch} sequences as dp × mbs × m (grad-acc)")
-    print("step 3, throughput: the fastest by estimated step time (seconds: compute, exposed communication, "
-          "bubble; X = TFLOP/s per GPU, recomputation included)")
+    print("step 3, throughput: the fastest by estimated step time, and its parts in % of it: compute, the")
+    print("  exposed communication, the bubble's share (X: TFLOP/s per GPU, recomputation included)")
     print(f"{'#':>3}{'dp':>5}{'tp':>4}{'pp':>4}{'cp':>4}{'ep':>4}{'sp':>4}{'zero':>5}  {'recompute':<10}"
-          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>8}{'step':>9}" + "".join(f"{k:>8}" for k in PARTS)
-          + f"{'X':>8}")
+          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
+          + f"{'X':>6}")
     for rank, plan in enumerate(plans[:args.top], 1):
         executed = search.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
                                           args.top_k) * batch * args.seq_len
@@ -184,8 +185,8 @@ def main(args, parser):
                                            args.top_k)
         x = per_token * batch * args.seq_len / (best.times["step"] * cluster.gpus)
         days = args.train_tokens / (batch * args.seq_len) * best.times["step"] / 86400
-        print(f"training on {args.train_tokens:.3g} tokens: {days:.1f} days at #1's step time; Megatron-LM "
-              f"§5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} TFLOP/s: "
+        print(f"training on {args.train_tokens:.3g} tokens: {days:.1f} days at #1's step time;\n"
+              f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} TFLOP/s: "
               f"{search.training_days(args.train_tokens, params, cluster.gpus, x):.1f} days")
     if args.plot:
         gpu_gb = cluster.memory / 1e9 + args.mem_reserve
@@ -217,7 +218,7 @@ def plot_memory(config, plan, seq_len, cluster, path, gpu_gb):
     ax.set_ylabel("GB per rank (1e9 bytes)")
     schedule = f", {lay.schedule}{f' V{lay.chunks}' if lay.chunks > 1 else ''}" if lay.pp > 1 else ""
     sp = " (sp)" if lay.sp else ""
-    ax.set_title(f"dp {lay.dp} × tp {lay.tp}{sp} × pp {lay.pp} × cp {lay.cp}{schedule}, "
+    ax.set_title(f"dp {lay.dp} × tp {lay.tp}{sp} × pp {lay.pp} × cp {lay.cp}{schedule}\n"
                  f"ZeRO-{lay.zero_stage}, recompute {lay.recompute}, mbs {plan.mbs}, m {plan.m}", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -35,11 +35,11 @@ def test_search_prints_the_three_steps_and_why(capsys):
     plans = planner.main(SMALL + ["--top", "3", "--train-tokens", "1e9"])
     out = capsys.readouterr().out
     for text in ("model: 0.1B parameters (llama)", "cluster: 16 × h100, 8 per node: 989 TFLOP/s",
-                 "assumed MFU 45% of peak", "step 1, fit: playbook §3.1 advises", "Megatron rule #1",
+                 "assumed MFU 45% of peak", "step 1, fit: the playbook (§3.1) advises", "Megatron rule #1",
                  "step 2, batch: every layout kept splits 64 sequences", "step 3, throughput", "why #1:",
                  "Megatron rule #3", "training on 1e+09 tokens:"):
         assert text in out, text
-    table = out[out.index("step 3"):out.index("why #1:")].splitlines()[2:]
+    table = out[out.index("step 3"):out.index("why #1:")].splitlines()[3:]
     assert len(table) == 3 and [int(line.split()[0]) for line in table] == [1, 2, 3]
     first = table[0].split()
     assert [int(v) for v in first[1:5]] == [plans[0].layout.dp, plans[0].layout.tp, plans[0].layout.pp,
