@@ -16,7 +16,8 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
              inter-node by the rank order [TP, CP, PP, DP]; EXPOSED where a ratio exceeds 1
 
 Every formula, term by term: 08_5d_combined/README.md. tests/test_5d_combined.py checks the bytes and
-the states against what the trainer's ranks really hold and send.
+the states against what the trainer's ranks really hold and send. `--search` chooses the layout instead
+(search.py: every layout that fits, ranked by estimated step time; --arch gpt plans Megatron's GPT).
 
     python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 \\
         --pp 2 --zero-stage 1 --recompute selective --gpu-mem 80 --peak-tflops 989 --bw-intra 450 \\
@@ -35,16 +36,16 @@ from importlib import import_module
 from types import SimpleNamespace
 
 cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
 memory = import_module("01_single_gpu.memory")
-process_grid = import_module("02_data_parallel.process_grid")
-pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 layout_rules = import_module("08_5d_combined.layout")
 
-STATE_BYTES = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}   # weights, gradients, optimizer
-ACTIVATION_BYTES = {"mixed": 2, "fp32": 4, "fp64": 8}
+# weights, gradients, optimizer states per parameter; "mixed-fp32-grads" keeps an fp32 copy of the gradients
+# beside the bf16 ones (playbook §2.1's 20 bytes, nanotron's default), and reduces that copy over dp
+STATE_BYTES = {"mixed": (2, 2, 12), "mixed-fp32-grads": (2, 2 + 4, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
+GRADIENT_WIRE_BYTES = {"mixed": 2, "mixed-fp32-grads": 4, "fp32": 4, "fp64": 8}
+ACTIVATION_BYTES = {"mixed": 2, "mixed-fp32-grads": 2, "fp32": 4, "fp64": 8}
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,23 @@ def stage_parameters(config, layout: Layout, stage: int):
     """(dense, expert) parameters a rank of pipeline stage `stage` holds: exactly what the trainers build."""
     h, f, V, t = config.hidden_size, config.intermediate_size, config.vocab_size, layout.tp
     h_kv = config.num_key_value_heads * config.head_dim
+    gpt = getattr(config, "architecture", "llama") == "gpt"          # search.GPTConfig: Megatron-LM's GPT
+    norm = 2 * h if gpt else h                                       # LayerNorm has a bias, RMSNorm none
     layers = config.num_hidden_layers // layout.pp                           # L_r, over its V chunks
     attention = (2 * h * h + 2 * h * h_kv) // t                              # q, o (C, C/t); k, v (C, C_kv/t)
-    dense = layers * (attention + 2 * h)                                     # + the two replicated norms
+    dense = layers * (attention + 2 * norm)                                  # + the two replicated norms
+    if gpt:                          # biases: qkv's and fc1's split with their columns, proj's, fc2's whole
+        dense += layers * ((3 * h + f) // t + 2 * h)
     expert = 0
     if layout.num_experts:       # the router (E, C) replicated; whole experts, E/ep of them (experts.py)
         dense += layers * h * layout.num_experts
         expert = layers * 3 * h * f * layout.num_experts // layout.ep
-    else:
-        dense += layers * 3 * h * f // t                                  # gate, up (F/t, C), down (C, F/t)
+    else:                        # gate, up (F/t, C), down (C, F/t); GPT: fc1 (F/t, C), fc2 (C, F/t)
+        dense += layers * (2 if gpt else 3) * h * f // t
     first, last = stage == 0, stage == layout.pp - 1
-    dense += first * V * h // t + last * (h + (0 if config.tie_word_embeddings and first else V * h // t))
-    return dense, expert
+    positions = gpt * config.max_position_embeddings * h                     # GPT's learned positions (s, C)
+    head = 0 if config.tie_word_embeddings and first else V * h // t         # Megatron: a tied copy if pp > 1
+    return dense + first * (V * h // t + positions) + last * (norm + head), expert
 
 
 def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, stage: int) -> dict:
@@ -119,7 +125,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     layers = config.num_hidden_layers // p
     tokens = mbs * seq_len // cp                                             # b·s_r
     ring = lambda n, k: 2 * (n - 1) * k // n                       # all-reduce wire bytes  # noqa: E731
-    norm_bytes = max(STATE_BYTES[layout.precision][1], 4)                    # ‖g‖² in fp32, or fp64
+    norm_bytes = max(GRADIENT_WIRE_BYTES[layout.precision], 4)               # ‖g‖² in fp32, or fp64
     scalar = lambda n: ring(n, norm_bytes)                         # the gradient-norm squares  # noqa: E731
     comm = {}
     # --- tensor parallelism (+ SP) ---
@@ -151,13 +157,13 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     # --- data parallelism over the cp×dp ranks that hold the same weights ---
     n = layout.dp * cp
     dense, expert = stage_parameters(config, layout, stage)
-    grads = dense * STATE_BYTES[layout.precision][1]
+    grads = dense * GRADIENT_WIRE_BYTES[layout.precision]
     factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
     shard_norms = ring(n, 2 * norm_bytes) if layout.zero_stage else 0        # ZeRO: Σ_dp of the shards' ‖g‖²
     comm["dp"] = (factor * (n - 1) * grads // n + ring(n, 8) + shard_norms     # ring(n, 8): the logged loss
                   if n > 1 else 0)
     n_expert = n // layout.ep                                                # ranks holding the same experts
-    comm["dp"] += factor * (n_expert - 1) * expert * STATE_BYTES[layout.precision][1] // n_expert
+    comm["dp"] += factor * (n_expert - 1) * expert * GRADIENT_WIRE_BYTES[layout.precision] // n_expert
     comm["dp"] += scalar(n_expert) if layout.zero_stage and layout.num_experts else 0
     # --- expert parallelism ---
     routed = tokens * h * layout.top_k * e                                   # b·s_r·h·k·e bytes of rows
@@ -204,6 +210,7 @@ def build_parser():
     g.add_argument("--bw-intra", type=float, help="GB/s (bus bandwidth) inside a node")
     g.add_argument("--bw-inter", type=float, help="GB/s (bus bandwidth) across nodes")
     g.add_argument("--gpus-per-node", type=int, default=8)
+    import_module("08_5d_combined.search").add_arguments(p)         # --search: search.py chooses the layout
     return p
 
 
@@ -229,13 +236,13 @@ def world_size(n: int):
 def main(argv=None):
     parser = build_parser()
     args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
-    layout = layout_of(args)
+    if args.search:
+        return import_module("08_5d_combined.search_report").main(args, parser)
+    search, layout = import_module("08_5d_combined.search"), layout_of(args)
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
-        config = cli.model_config(args, data.load_tokenizer(args.tokenizer).vocab_size)   # shapes only
-        with world_size(world):
-            layout_rules.check_degrees(args, config)   # the trainer's --zero-stage is 0 or 1; all are planned
-        process_grid.grid_layout(world, args.dp, args.pp, args.cp, args.tp, args.ep)
+        config = search.model_config(args)
+        search.check_rules(args, config)               # the trainer's --zero-stage is 0 or 1; all are planned
     except ValueError as error:
         parser.error(str(error))
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
