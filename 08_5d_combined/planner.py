@@ -80,7 +80,8 @@ def stage_parameters(config, layout: Layout, stage: int):
     gpt = getattr(config, "architecture", "llama") == "gpt"          # search.GPTConfig: Megatron-LM's GPT
     norm = 2 * h if gpt else h                                       # LayerNorm has a bias, RMSNorm none
     layers = config.num_hidden_layers // layout.pp                           # L_r, over its V chunks
-    attention = (2 * h * h + 2 * h * h_kv) // t                              # q, o (C, C/t); k, v (C, C_kv/t)
+    kv_per_rank = h_kv // t if h_kv >= t * config.head_dim else config.head_dim   # tp > kv heads: one head
+    attention = 2 * h * h // t + 2 * h * kv_per_rank                        # q, o (C, C/t); k, v (C, C_kv/t)
     dense = layers * (attention + 2 * norm)                                  # + the two replicated norms
     if gpt:                          # biases: qkv's and fc1's split with their columns, proj's, fc2's whole
         dense += layers * ((3 * h + f) // t + 2 * h)
@@ -141,7 +142,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     # --- context parallelism ---
     if cp > 1 and layout.cp_attn == "ring":
         hops = 3 * cp - 2 + (cp - 1) * (layout.recompute != "none")
-        comm["cp"] = m * layers * hops * 2 * tokens * (h_kv // t) * max(e, 4)
+        comm["cp"] = m * layers * hops * 2 * tokens * max(h_kv // t, config.head_dim) * max(e, 4)
     elif cp > 1:
         passes = 2 + (layout.recompute != "none")                            # 4 all-to-alls each
         comm["cp"] = m * layers * passes * (cp - 1) * tokens * (2 * h + 2 * h_kv) // t // cp * e
