@@ -133,6 +133,8 @@ def test_resaving_a_step_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_pa
     model = modeling.LlamaForCausalLM(modeling.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                            num_hidden_layers=1, num_attention_heads=2,
                                                            num_key_value_heads=2))
+    for name, p in model.named_parameters():
+        p.global_name = name          # what 01's build.build_model gives every parameter
     optimizer = torch.optim.AdamW(model.parameters())
     meta = {"layout": {}, "global_batch": 1, "args": {"run_id": "r"}}
     first = checkpoint.save_checkpoint(tmp_path, 2, model, optimizer, meta)
