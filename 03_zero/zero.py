@@ -23,6 +23,7 @@ New compared with 02: the flat units, the sharded optimizer, and where each coll
 builds the units from the stage modules, leaves the experts (`exclude`) to a second ZeRO whose gradient
 is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules for the norm.
 """
+import contextlib
 import math
 import warnings
 from importlib import import_module
@@ -126,13 +127,18 @@ class ZeRO:
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
     finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
-    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, pipelined=False):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
         gradient is the sum over `group` divided by it (default: the group's size, the mean); `source`:
-        where meta parameters get their values (01's materialize.Source; stage 3 never holds them all)."""
+        where meta parameters get their values (01's materialize.Source; stage 3 never holds them all).
+        `pipelined` (08, under a pipeline schedule): a unit's gradients accumulate over the step's
+        backwards and are reduce-scattered in the one its caller leaves outside `no_sync`, units not
+        reduced then at `finish_gradients`; stage 3 gathers what `gather` is given and keeps it until
+        the unit's reduce-scatter (no module hooks: a pipeline chunk runs many times per step)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
-        self.group, self.stage = group, stage
+        self.group, self.stage, self.pipelined = group, stage, pipelined
+        self.require_backward_grad_sync = True       # False inside no_sync(): gradients only accumulate
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
         exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
@@ -150,11 +156,12 @@ class ZeRO:
         for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
             materialize.swap_parameters(module, materialized)
         self.in_flight, self.events, self.callback_queued = [], [], False
+        self.gathered_bytes = self.peak_gathered_bytes = 0       # stage 3: full units held (measured)
         for unit in self.units:
             for p in unit.params:
                 if stage > 1:
                     p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
-            if stage == 3:
+            if stage == 3 and not pipelined:
                 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
                 # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
@@ -191,9 +198,20 @@ class ZeRO:
             else:
                 unit.shard_grad.zero_()
 
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True):
+        """Stages 2-3: the hooks leave the gradients to accumulate in .grad (02's no_sync)."""
+        self.require_backward_grad_sync = not enabled
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
     def finish_gradients(self):
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
         gradients, / divisor (the mean)."""
+        if self.stage > 1 and self.pipelined:
+            self._end_of_backward()               # the units no synchronising backward completed
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
@@ -226,6 +244,17 @@ class ZeRO:
                     total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1)
         return total
 
+    def shard_gradients(self, params):
+        """Views of this rank's slices of the reduced gradient (unit.grad) of `params` (08 sums some of
+        them over tp)."""
+        wanted, views = {id(p) for p in params}, []
+        for unit in self.units:
+            for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
+                lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
+                if lo < hi and id(p) in wanted:
+                    views.append(unit.grad[lo - unit.lo:hi - unit.lo])
+        return views
+
     def scale_gradients(self, coef):
         for unit in self.units:
             unit.grad.mul_(coef.to(unit.grad.dtype))
@@ -234,7 +263,10 @@ class ZeRO:
     # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
     # ==================================================================================
     def _grad_ready(self, unit):
-        if not self.callback_queued:   # once per backward: flush what is left when it ends (as DDP does)
+        if not self.require_backward_grad_sync:
+            return
+        if not self.callback_queued and not self.pipelined:   # once per backward: flush what is left
+            # when it ends (as DDP does); pipelined, the step's other passes may still add to it
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.callback_queued = True
         unit.ready += 1
@@ -280,6 +312,16 @@ class ZeRO:
         unit.gather_work = comm.all_gather_flat(unit.full, unit.shard, group=self.group,
                                                 async_op=True)                 # (U/N,) -> (U,)
         self.events.append(("gather_issued", unit.index))
+        self.gathered_bytes = sum(u.padded * u.full.element_size() for u in self.units
+                                  if u.gathered or u.gather_work is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def gather(self, units):
+        """Pipelined stage 3: have `units` (a pipeline chunk's) whole, issuing their all-gathers at once."""
+        for unit in units:
+            self._gather(unit)
+        for unit in units:
+            self._materialize(unit)
 
     def _materialize(self, unit):
         """Block until unit's full parameters are here (gathering them now if nobody prefetched)."""
