@@ -49,9 +49,10 @@ class DataParallel:
     """Naive data parallelism: `finish_gradients` all-reduces every gradient after backward.
 
     The step (02's train.py) runs every micro-batch's backward but the last inside `no_sync()`, then
-    calls `finish_gradients`. `events` records ("grad", i) when parameter i's gradient is complete and
-    ("launch", k) when collective k is issued; `step_events` keeps the last finished step's, so a test
-    can see whether communication started before backward ended.
+    calls `finish_gradients`. `events` records ("grad", i) when parameter i's gradient is complete,
+    ("launch", k) when collective k is issued and ("finish", None) when finish_gradients begins;
+    `step_events` keeps the last finished step's, so a test can see whether communication started
+    before backward ended.
     """
 
     def __init__(self, params, group):
@@ -97,6 +98,7 @@ class OverlapDataParallel(DataParallel):
         self.pending.append((work, p))
 
     def finish_gradients(self):
+        self.events.append(("finish", None))
         launched = {id(p) for _, p in self.pending}
         for i, p in enumerate(self.params):         # a gradient its hook did not see in the synchronising
             if p.grad is not None and id(p) not in launched:   # backward (08: accumulated earlier)
@@ -166,6 +168,7 @@ class BucketDataParallel(DataParallel):
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def finish_gradients(self):
+        self.events.append(("finish", None))
         for bucket in self.buckets:
             if bucket.work is None:                 # a parameter that got no gradient: send zeros
                 for j, p in enumerate(bucket.params):

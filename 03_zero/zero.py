@@ -211,6 +211,7 @@ class ZeRO:
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
         gradients, / divisor (the mean)."""
         if self.stage > 1 and self.pipelined:
+            self.events.append(("finish", None))
             self._end_of_backward()               # the units no synchronising backward completed
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
@@ -348,15 +349,22 @@ class ZeRO:
         for work in works:
             work.wait()
 
-    def full_state_dict(self, model):
-        """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters present inside (stage 3 gathers, then frees them; collective)."""
         for unit in self.units:
             self._materialize(unit)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        for unit in self.units:
-            if self.stage == 3:
-                unit.free()
-        return state
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if self.stage == 3:
+                    unit.free()
+
+    def full_state_dict(self, model):
+        """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def model_state_bytes(self, model, optimizer):
         """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages)."""

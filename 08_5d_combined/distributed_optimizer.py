@@ -68,6 +68,11 @@ class DistributedOptimizer:
             self.chunk_units.append([(z, [u for u in z.units if id(u.module) in mine]) for z in self.zeros])
 
     @property
+    def events(self):
+        """03's of the dense units, this step: ("grad", u), ("reduce_scatter", u), ("finish", None), …"""
+        return self.dense.events
+
+    @property
     def shards(self):
         """What 01's AdamW steps: this rank's pieces of every unit (dense and experts)."""
         return [shard for z in self.zeros for shard in z.shards]
@@ -112,6 +117,13 @@ class DistributedOptimizer:
             if getattr(p, "kv_replicas", 1) > 1:
                 for grad in self.dense.shard_gradients([p]):
                     dist.all_reduce(grad, group=p.replica_group)          # this slice of (hd, C) summed
+
+    def full_state_dict(self, stages):
+        """name -> tensor (a copy) of the stages' state, stage 3's units gathered for it (collective)."""
+        with contextlib.ExitStack() as stack:
+            for z in self.zeros:
+                stack.enter_context(z.gathered())
+            return {k: v.detach().clone() for k, v in stages.state_dict().items()}
 
     def gather_shards(self):
         """After the optimizer step (stages 1-2): every rank's updated shards all-gathered into the model."""

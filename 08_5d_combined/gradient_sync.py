@@ -59,6 +59,10 @@ class DataParallelSync:
         self.dense, self.expert_params, self.grid = dense, expert_params, grid
 
     @property
+    def events(self):                    # 02's of the last step: ("grad", i), ("launch", k), ("finish", None)
+        return self.ddp.step_events
+
+    @property
     def shards(self):                    # what AdamW steps: every parameter, whole
         return self.dense + self.expert_params
 
@@ -91,6 +95,9 @@ class DataParallelSync:
 
     def gather_shards(self):
         pass
+
+    def full_state_dict(self, stages):
+        return {k: v.detach().clone() for k, v in stages.state_dict().items()}
 
 
 def make(stages, dense, expert_params, grid, args):
