@@ -80,7 +80,7 @@ def report(grid, stages, optimizer, meter, activations, steps, sync):
     """Rank 0 prints the measured memory of every stage and the communication of each stage's first rank."""
     mine = dict(coords=(grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank),
                 states=state_bytes(stages, optimizer, sync.shards), activations=activations,
-                gathered=max((z.peak_gathered_bytes for z in getattr(sync, "zeros", [])), default=0),
+                gathered=sum(z.peak_gathered_bytes for z in getattr(sync, "zeros", [])),   # ZeRO-3
                 comm={key: (meter.calls[key], meter.payload[key], meter.wire[key]) for key in meter.calls})
     everyone = [None] * grid.world_size
     dist.all_gather_object(everyone, mine)

@@ -104,6 +104,7 @@ def _train(flag_set):
             for dim, groups in GROUPS.items()}
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
+                events=list(pipe.grad_sync.events), gathered=mine["gathered"],
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()})
 
@@ -150,6 +151,10 @@ def _check(flag_set, per_rank):
         if layout.zero_stage:
             _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
                          what)
+        if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
+            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN, mbs,
+                                         grad_acc, pp_rank)["parameters"]
+            _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
     if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
         logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
@@ -178,6 +183,24 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
     assert wire.get(("all_reduce", "expert_dp"), 0) == (expert > 0) * steps * 2 * (n_expert - 1) * e // n_expert, what
 
 
+def _check_in_backward(run, layout, extra, whole, what):
+    """Composed under a schedule (gradient_sync.py), the reduction really runs inside the schedule: every
+    dense gradient (overlap), bucket (bucket) or unit (ZeRO-2/3) is sent from a hook in its chunk's last
+    B or W, none left for finish_gradients (a sync on every pass or none differs from 01, a sync before
+    the last pass loses gradients); ZeRO-3 holds its whole stage gathered at its peak: the units stay
+    from a chunk's first forward to its last backward."""
+    events = run["events"]
+    finish = events.index(("finish", None))
+    sent = {"overlap": "launch", "bucket": "launch"}.get(next((m for m in ("overlap", "bucket") if m in extra), ""),
+                                                        "reduce_scatter")
+    before, after = ([e for e in part if e[0] == sent] for part in (events[:finish], events[finish:]))
+    assert before and not after, (what, events)
+    if "overlap" in extra:        # one all-reduce per parameter of the stage
+        assert len(before) == sum(1 for e in events if e[0] == "grad"), what
+    if layout.zero_stage == 3:
+        assert run["gathered"] == whole, what        # the stage's parameter bytes (no padding at these sizes)
+
+
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
 EIGHT_RANKS = {
@@ -189,7 +212,8 @@ EIGHT_RANKS = {
                                               "--pp-schedule", "interleaved", "--pp-chunks", 2, mbs=4),
     "dp2ep2-tp2-pp2-moe": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
     "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
-                                       "--zero-stage", 1)}
+                                       "--zero-stage", 1),
+    "zero3-dp2-tp2sp-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--zero-stage", 3, grad_acc=4)}
 FOUR_RANKS = {
     "cp2contiguous-pp2-selective-fp64": _flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2,
                                                "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
@@ -209,7 +233,16 @@ FOUR_RANKS = {
                                         "--zero-stage", 1, grad_acc=4),
     "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
     "zero1-cp2contiguous-dp2ep2-moe": _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2,
-                                             "--num-experts", 4, "--zero-stage", 1)}
+                                             "--num-experts", 4, "--zero-stage", 1),
+    "overlap-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--dp-mode", "overlap",
+                                   grad_acc=4),
+    "bucket-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                         "--dp-mode", "bucket", "--bucket-mb", 0.02, grad_acc=4),
+    "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
+    "zero3-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                        "--zero-stage", 3, grad_acc=4),
+    "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
+                                        "--num-experts", 4, "--zero-stage", 3)}
 
 
 @pytest.fixture(scope="module")
@@ -285,9 +318,10 @@ def _check_layout(*flags, world):
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
     (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp is not supported: .* drop --sp"),
     (("--tp", 2, "--sp", "--cp", 2, "--num-experts", 4), 4, r"--num-experts with --sp is not supported"),
-    (("--dp", 2, "--pp", 2, "--zero-stage", 2), 4, r"--zero-stage 2 is not composed in 08: .* use --zero-stage 1 "
-                                                    r"here, or 03_zero/train.py --zero-stage 2/3"),
-    (("--dp", 2, "--zero-stage", 3), 2, r"--zero-stage 3 is not composed in 08"),
+    (("--dp", 2, "--pp", 2, "--zero-stage", 2, "--dp-mode", "bucket"), 4,
+     r"--dp-mode bucket is data parallelism's all-reduce \(--zero-stage 0\); .* drop --dp-mode"),
+    (("--dp", 2, "--zero-stage", 3, "--tie-embeddings"), 2, r"--zero-stage 3 gathers .* drop --tie-embeddings"),
+    (("--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0), 2, r"--bucket-mb must be positive"),
 ])
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
     with pytest.raises(ValueError, match=message):
@@ -317,8 +351,8 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
         planner.main(common.argv("--tp", 3))                               # the planner uses the same rules
     assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        combined.main(common.argv("--zero-stage", 2))                      # the trainer composes ZeRO-1 only,
-    assert "use --zero-stage 1 here" in capsys.readouterr().err
+        combined.main(common.argv("--zero-stage", 2, "--dp-mode", "overlap"))   # ZeRO reduces its own units
+    assert "drop --dp-mode" in capsys.readouterr().err
     planner.main(common.argv("--dp", 2, "--zero-stage", 3))                # the planner plans every stage
     assert "zero-3" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()
