@@ -127,17 +127,21 @@ class ZeRO:
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
     finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
-    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, pipelined=False):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, pipelined=False,
+                 before_reduce=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
         gradient is the sum over `group` divided by it (default: the group's size, the mean); `source`:
         where meta parameters get their values (01's materialize.Source; stage 3 never holds them all).
         `pipelined` (08, under a pipeline schedule): a unit's gradients accumulate over the step's
         backwards and are reduce-scattered in the one its caller leaves outside `no_sync`, units not
         reduced then at `finish_gradients`; stage 3 gathers what `gather` is given and keeps it until
-        the unit's reduce-scatter (no module hooks: a pipeline chunk runs many times per step)."""
+        the unit's reduce-scatter (no module hooks: a pipeline chunk runs many times per step).
+        `before_reduce(params)` runs on full gradients just before they are reduced (08: SP's and the kv
+        heads' sums over tp)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage, self.pipelined = group, stage, pipelined
+        self.before_reduce = before_reduce or (lambda params: None)
         self.require_backward_grad_sync = True       # False inside no_sync(): gradients only accumulate
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
@@ -214,6 +218,7 @@ class ZeRO:
             self.events.append(("finish", None))
             self._end_of_backward()               # the units no synchronising backward completed
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
+            self.before_reduce([p for u in self.units for p in u.params])
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
             for work in works:
@@ -245,17 +250,6 @@ class ZeRO:
                     total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1)
         return total
 
-    def shard_gradients(self, params):
-        """Views of this rank's slices of the reduced gradient (unit.grad) of `params` (08 sums some of
-        them over tp)."""
-        wanted, views = {id(p) for p in params}, []
-        for unit in self.units:
-            for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
-                lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
-                if lo < hi and id(p) in wanted:
-                    views.append(unit.grad[lo - unit.lo:hi - unit.lo])
-        return views
-
     def scale_gradients(self, coef):
         for unit in self.units:
             unit.grad.mul_(coef.to(unit.grad.dtype))
@@ -276,6 +270,7 @@ class ZeRO:
             self._reduce_scatter(unit)
 
     def _reduce_scatter(self, unit):
+        self.before_reduce(unit.params)
         flat = unit.params[0].new_zeros(unit.padded)                          # (U,)
         for p, view in zip(unit.params, unit.views(flat)):
             if p.grad is not None:

@@ -99,15 +99,10 @@ def norm_weights(model):
 @torch.no_grad()
 def all_reduce_norm_gradients(norm_weights, tp_group):
     """Sum the norm-weight gradients over tp (each rank saw T/t tokens): one flat all-reduce."""
-    sum_over_group([p.grad for p in norm_weights if p.grad is not None], tp_group)
-
-
-def sum_over_group(grads, group):
-    """Each tensor of `grads` summed over `group` in place, in one flat all-reduce (08's ZeRO passes
-    the slices of the norm gradients its shards hold)."""
-    if not grads:
+    grads = [p.grad for p in norm_weights if p.grad is not None]
+    if not grads:                          # (08's ZeRO calls it per unit: the embedding's has no norm)
         return
     flat = torch.cat([g.flatten() for g in grads])                         # (Σ numel,)
-    dist.all_reduce(flat, group=group)
+    dist.all_reduce(flat, group=tp_group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(summed.view_as(g))

@@ -11,7 +11,8 @@ chunk runs m forwards and m backwards per step (06's Pipeline says which backwar
     stage 1  after the schedule: reduce-scatter (U,) -> (U/N,) per unit
     stage 2  in the chunk's last backward (B, or ZB's W): each unit reduce-scattered as it completes
     stage 3  + before the chunk's first forward: its units all-gathered, kept until that reduce-scatter
-    then     / N, SP's and the kv replicas' sums over tp on the shards, clip, AdamW, stages 1-2 all-gather
+    then     / N, clip, AdamW, stages 1-2 all-gather; SP's and the kv replicas' sums over tp run on a
+             unit's full gradients just before its reduce-scatter
 
     ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖tp-sharded shard‖² + Σ_dp ‖replicated shard‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 zero = import_module("03_zero.zero")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 moe = import_module("07_expert_parallel.moe")
 
@@ -54,11 +56,12 @@ class DistributedOptimizer:
     """ZeRO over the process grid: dense units over cp×dp, expert units over expert_dp; the pipeline's
     `grad_sync` (forward and backward contexts) and the calls of 08's step."""
 
-    def __init__(self, stages, grid, stage: int, expert_view=None):
-        self.grid, self.stage = grid, stage
+    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=()):
+        self.grid, self.stage, self.norm_ids = grid, stage, {id(p) for p in norm_weights}
         blocks = moe.moe_blocks(expert_view) if expert_view is not None else []
         experts = [p for block in blocks for p in block.experts.parameters()]
-        self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage, exclude=experts, pipelined=True)
+        self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage, exclude=experts, pipelined=True,
+                               before_reduce=self.sum_over_tp)
         self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage,
                                   divisor=grid.cp_size * grid.dp_size, pipelined=True) if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
@@ -101,22 +104,18 @@ class DistributedOptimizer:
                 stack.enter_context(self.experts.no_sync())
             yield
 
+    def sum_over_tp(self, params):
+        """Before their reduce-scatter: SP's norm gradients summed over tp (each tp rank saw T/(cp·tp) of
+        the tokens, 05) and each replicated kv head's over the ranks holding it (04)."""
+        sequence_parallel.all_reduce_norm_gradients([p for p in params if id(p) in self.norm_ids],
+                                                    self.grid.tp_group)
+        tensor_parallel.all_reduce_kv_replica_gradients(params)
+
     def finish_gradients(self):
         """After the schedule: stage 1 reduce-scatters every unit, 2-3 the units not reduced yet (the
-        experts'); then / N (experts: / cp·dp)."""
+        experts'); then / N (experts: / cp·dp). Each unit's tp sums come first (`sum_over_tp`)."""
         for z in self.zeros:
             z.finish_gradients()
-
-    def sum_over_tp(self, norm_weights, params):
-        """SP's norm gradients summed over tp and each replicated kv head's over the ranks holding it (04,
-        05), on this rank's shard slices: every tp rank's units have the same layout, so slice r of a
-        unit holds the same elements of the same parameters on every tp rank."""
-        if norm_weights:
-            sequence_parallel.sum_over_group(self.dense.shard_gradients(norm_weights), self.grid.tp_group)
-        for p in params:
-            if getattr(p, "kv_replicas", 1) > 1:
-                for grad in self.dense.shard_gradients([p]):
-                    dist.all_reduce(grad, group=p.replica_group)          # this slice of (hd, C) summed
 
     def full_state_dict(self, stages):
         """name -> tensor (a copy) of the stages' state, stage 3's units gathered for it (collective)."""

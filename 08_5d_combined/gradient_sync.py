@@ -54,9 +54,9 @@ def check_gradient_sync(args):
 class DataParallelSync:
     """--zero-stage 0: 02's DataParallel over the dense parameters, 07's rule for the experts."""
 
-    def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float):
+    def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float, norm_weights=()):
         self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb)
-        self.dense, self.expert_params, self.grid = dense, expert_params, grid
+        self.dense, self.expert_params, self.grid, self.norm_weights = dense, expert_params, grid, norm_weights
 
     @property
     def events(self):                    # 02's of the last step: ("grad", i), ("launch", k), ("finish", None)
@@ -77,16 +77,15 @@ class DataParallelSync:
         return self.ddp.no_sync(enabled=not final)
 
     def finish_gradients(self):
-        """naive: all-reduce now; overlap, bucket: wait for the launched ones; / N. Experts: Σ / (cp·dp)."""
+        """naive: all-reduce now; overlap, bucket: wait for the launched ones; / N. Experts: Σ / (cp·dp).
+        Then SP's norm gradients summed over tp (each tp rank saw T/(cp·tp) of the tokens, 05) and each
+        replicated kv head's over the ranks holding it (04): sums, so after the mean as well as before."""
         self.ddp.finish_gradients()
         if self.expert_params:
             expert_parallel.sync_gradients([], self.expert_params, self.grid)
-
-    def sum_over_tp(self, norm_weights, params):
-        """SP's norm gradients (each tp rank saw T/(cp·tp) tokens, 05) and the kv heads' copies (04)."""
-        if norm_weights:
-            sequence_parallel.all_reduce_norm_gradients(norm_weights, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(params)
+        if self.norm_weights:
+            sequence_parallel.all_reduce_norm_gradients(self.norm_weights, self.grid.tp_group)
+        tensor_parallel.all_reduce_kv_replica_gradients(self.shards)
 
     def clip_gradients(self, max_norm):
         if self.expert_params:
@@ -100,9 +99,9 @@ class DataParallelSync:
         return {k: v.detach().clone() for k, v in stages.state_dict().items()}
 
 
-def make(stages, dense, expert_params, grid, args):
+def make(stages, dense, expert_params, norm_weights, grid, args):
     """The gradient synchronisation of --zero-stage and --dp-mode, for this rank's stage chunks."""
     if args.zero_stage:
         return distributed_optimizer.DistributedOptimizer(
-            stages, grid, args.zero_stage, experts.stage_view(stages) if args.num_experts else None)
-    return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb)
+            stages, grid, args.zero_stage, experts.stage_view(stages) if args.num_experts else None, norm_weights)
+    return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights)

@@ -47,17 +47,17 @@ gradient_sync = import_module("08_5d_combined.gradient_sync")
 layout = import_module("08_5d_combined.layout")
 
 
-def train_step(pipe, optimizer, micro_batches, sync, norm_weights, params, grid, args):
+def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     """The composition of 02-07's steps; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
     sync.zero_gradients()                            # ZeRO-1: every .grad a view of its unit's flat buffer
     positions = pipe.stages[0].position_ids          # (T/cp,) this rank's tokens of every sequence (05)
-    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule; TP/SP/CP/EP inside its passes;
-        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # DP overlap/bucket and ZeRO-2/3 reduce in a
-            pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # chunk's last backward,
-    sync.finish_gradients()                          # ZeRO-3 gathers before its first forward; here: DP
-    #                                                  naive and ZeRO-1 reduce over cp×dp, the rest waits; / N
-    sync.sum_over_tp(norm_weights, params)           # 05: SP's norms saw T/(cp·tp) tokens; 04: kv head copies
+    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule; TP/SP/CP/EP inside its passes
+        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # and the gradient sync's (gradient_sync.py):
+            pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
+    #   ZeRO-3 gathers a chunk before its first F; DP overlap/bucket and ZeRO-2/3 reduce in its last B, W
+    sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now; the others wait;
+    #                                                  / N; SP's norm and 04's kv-copy gradients summed over tp
     grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07)
     optimizer.step()
     sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
@@ -124,7 +124,7 @@ def run(args, config, dataset, grid):
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
-    sync = gradient_sync.make(stages, dense, expert_params, grid, args)      # 6. DP (02) or ZeRO (03)
+    sync = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or ZeRO
     optimizer = optim.make_optimizer(sync.shards, args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
@@ -144,8 +144,7 @@ def run(args, config, dataset, grid):
     checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                          "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
                          "num_experts": args.num_experts, "zero_stage": args.zero_stage}
-    step = functools.partial(train_step, pipe, optimizer, sync=sync, norm_weights=norm_weights,
-                             params=dense + expert_params, grid=grid, args=args)
+    step = functools.partial(train_step, pipe, optimizer, sync=sync, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
         records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
                              layout=checkpoint_layout)
