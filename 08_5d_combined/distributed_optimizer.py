@@ -65,7 +65,7 @@ class DistributedOptimizer:
         self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage,
                                   divisor=grid.cp_size * grid.dp_size, pipelined=True) if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
-        self.chunk_units = []              # per chunk: [(zero, its units in the chunk)], for stage 3's gathers
+        self.chunk_units = []              # per chunk: [(zero, its units in it)], for stage 3's gathers
         for chunk in stages:
             mine = {id(m) for m in chunk.modules()}
             self.chunk_units.append([(z, [u for u in z.units if id(u.module) in mine]) for z in self.zeros])
@@ -81,7 +81,7 @@ class DistributedOptimizer:
         return [shard for z in self.zeros for shard in z.shards]
 
     def zero_gradients(self):
-        """Before the schedule: stage 1 points every .grad at its unit's zeroed buffer; 2-3 zero the shards."""
+        """Before the schedule: stage 1 points every .grad at its unit's zeroed buffer; 2-3 zero shards."""
         for z in self.zeros:
             z.zero_gradients()
 

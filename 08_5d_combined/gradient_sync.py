@@ -36,8 +36,8 @@ def add_arguments(parser):
     data_parallel.add_arguments(parser)
     parser.set_defaults(dp_mode="naive")
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
-                        help="0: gradients all-reduced (02, --dp-mode); 1, 2, 3: optimizer states, + gradients, "
-                             "+ parameters sharded over the cp×dp ranks (03)")
+                        help="0: gradients all-reduced (02, --dp-mode); 1, 2, 3: optimizer states, "
+                             "+ gradients, + parameters sharded over the cp×dp ranks (03)")
 
 
 def check_gradient_sync(args):
@@ -56,7 +56,8 @@ class DataParallelSync:
 
     def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float, norm_weights=()):
         self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb)
-        self.dense, self.expert_params, self.grid, self.norm_weights = dense, expert_params, grid, norm_weights
+        self.dense, self.expert_params, self.grid = dense, expert_params, grid
+        self.norm_weights = norm_weights
 
     @property
     def events(self):                    # 02's of the last step: ("grad", i), ("launch", k), ("finish", None)
@@ -102,6 +103,6 @@ class DataParallelSync:
 def make(stages, dense, expert_params, norm_weights, grid, args):
     """The gradient synchronisation of --zero-stage and --dp-mode, for this rank's stage chunks."""
     if args.zero_stage:
-        return distributed_optimizer.DistributedOptimizer(
-            stages, grid, args.zero_stage, experts.stage_view(stages) if args.num_experts else None, norm_weights)
+        view = experts.stage_view(stages) if args.num_experts else None
+        return distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights)

@@ -4,19 +4,20 @@ Playbook §2.8 (combining the techniques) and chapter 3 (choosing a layout); Meg
 (Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1). Nothing new is
 implemented here: layout.py applies the earlier folders' modules to the seeded full 01 model (TP/SP,
 CP, MoE/EP, PP, recompute), and `train_step` below runs their step: the schedule's passes on this rank's
-tokens, SP's norm sum, the expert or DP or ZeRO-1 reduction over the cp×dp ranks, the norm over every
-shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid). Every rank logs the
+tokens, the reduction over the cp×dp ranks (02's DP in any --dp-mode or 03's ZeRO-1/2/3, inside the
+schedule's last backward of each chunk where it can: gradient_sync.py), SP's norm sum, the norm over
+every shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid). Every rank logs the
 global batch's mean loss, the same number as 01's (07's with experts).
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 \\
         --grad-acc 4
-    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 3 --grad-acc 4
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
-first rank of each stage per process group, and the bubble of the last step. Not composed: ZeRO-2/3
-(the planner does their arithmetic; distributed_optimizer.check_zero_stage says why) and experts with --sp.
+first rank of each stage per process group, and the bubble of the last step. Not composed: experts
+with --sp.
 New in the step compared with 02-07: nothing but their composition, written out in device order.
 """
 import sys
@@ -56,8 +57,8 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
         loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # and the gradient sync's (gradient_sync.py):
             pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
     #   ZeRO-3 gathers a chunk before its first F; DP overlap/bucket and ZeRO-2/3 reduce in its last B, W
-    sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now; the others wait;
-    #                                                  / N; SP's norm and 04's kv-copy gradients summed over tp
+    sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now, the others
+    #                                                  wait; / N; SP's norm and 04's kv-copy grads summed over tp
     grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07)
     optimizer.step()
     sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica

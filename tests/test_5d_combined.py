@@ -143,8 +143,8 @@ def _check(flag_set, per_rank):
         assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
         # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py):
         # ZeRO-1's bytes, where the planner's rows are 03's per-micro-batch policy, (m+1) and 3m times
-        sent = planner.stage_communication(config, dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1)),
-                                           common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        as_run = dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1))
+        sent = planner.stage_communication(config, as_run, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
@@ -152,8 +152,8 @@ def _check(flag_set, per_rank):
             _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
                          what)
         if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
-            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN, mbs,
-                                         grad_acc, pp_rank)["parameters"]
+            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN,
+                                         mbs, grad_acc, pp_rank)["parameters"]
             _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
     if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
@@ -191,8 +191,7 @@ def _check_in_backward(run, layout, extra, whole, what):
     from a chunk's first forward to its last backward."""
     events = run["events"]
     finish = events.index(("finish", None))
-    sent = {"overlap": "launch", "bucket": "launch"}.get(next((m for m in ("overlap", "bucket") if m in extra), ""),
-                                                        "reduce_scatter")
+    sent = "launch" if "overlap" in extra or "bucket" in extra else "reduce_scatter"
     before, after = ([e for e in part if e[0] == sent] for part in (events[:finish], events[finish:]))
     assert before and not after, (what, events)
     if "overlap" in extra:        # one all-reduce per parameter of the stage
