@@ -5,7 +5,8 @@ step and every rank's final parameters (its tp shard of its stage's layers) equa
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
     8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
              dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE);
-             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1
+             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
+             each unit's reduce-scatter)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
              dp2 (ep2) × pp2 with zb-h1 and 4 experts; experts under CP, 4 each: cp2 zig-zag × pp2 with full
@@ -15,7 +16,12 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; dp4 (ep2) with
              4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
-             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp))
+             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
+             every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
+             with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
+             with zb-h1, ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
+             experts (expert units reduced after the schedule); each also shows its reduction ran inside
+             the schedule (`_check_in_backward`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
