@@ -91,7 +91,7 @@ class OverlapDataParallel(DataParallel):
 
     def _grad_ready(self, p, i):
         """Runs inside backward once p.grad holds this backward's full contribution."""
-        if not self.require_backward_grad_sync:
+        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
             return
         self.events += [("grad", i), ("launch", len(self.pending))]
         work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
@@ -152,9 +152,9 @@ class BucketDataParallel(DataParallel):
                 p.register_post_accumulate_grad_hook(lambda p, b=bucket, j=j, i=i: self._grad_ready(b, j, i))
 
     def _grad_ready(self, bucket, j, i):
-        if not self.require_backward_grad_sync:
-            return
         p = bucket.params[j]
+        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+            return
         bucket.view_of(j).copy_(p.grad)
         p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket
         bucket.copied.add(j)
@@ -172,9 +172,13 @@ class BucketDataParallel(DataParallel):
         for bucket in self.buckets:
             if bucket.work is None:                 # a parameter that got no gradient: send zeros
                 for j, p in enumerate(bucket.params):
-                    if j not in bucket.copied:      # (08: or one accumulated before the synchronising pass)
-                        bucket.view_of(j).copy_(p.grad) if p.grad is not None else bucket.view_of(j).zero_()
-                        p.grad = bucket.view_of(j)
+                    if j in bucket.copied:
+                        continue
+                    if p.grad is None:
+                        bucket.view_of(j).zero_()
+                    else:                           # 08: accumulated before the synchronising pass
+                        bucket.view_of(j).copy_(p.grad)
+                    p.grad = bucket.view_of(j)
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
