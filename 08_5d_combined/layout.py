@@ -46,7 +46,7 @@ def check_layout(args, config):
 
 
 def check_degrees(args, config):
-    """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
+    """The rules of 02-07 (the planner checks these too)."""
     experts.check_experts(args)
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
                             args.grad_acc, config.tie_word_embeddings)
