@@ -18,8 +18,9 @@ chunk runs m forwards and m backwards per step (06's Pipeline says which backwar
 
 Wire bytes per step in the dp group, e bytes per element, Ψ this rank's padded parameters: 2·(N−1)/N·eΨ
 for every stage (stage 3: one all-gather before the step's first forward, none after it), plus the norm
-squares; the experts are reduce-scattered after the schedule (their hooks fire in routing order, which
-differs between ranks). Measured, and what stages 2-3 give up under PP: 08_5d_combined/README.md.
+squares; the experts are reduce-scattered after the schedule (an expert no token reached in a chunk's
+last micro-batch fires no hook there, and which one differs between ranks, which must issue their
+collectives in one order). Measured, and what stages 2-3 give up under PP: 08_5d_combined/README.md.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 3 --grad-acc 4
 

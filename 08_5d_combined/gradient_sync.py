@@ -74,7 +74,8 @@ class DataParallelSync:
         return contextlib.nullcontext()
 
     def backward(self, chunk, final):
-        """06's Pipeline runs every B and W inside: the hooks (overlap, bucket) communicate in the last."""
+        """06's Pipeline runs every B and W inside: the hooks (overlap, bucket) communicate in the last.
+        The experts are not in the DP object: 07's rule sums them after the schedule."""
         return self.ddp.no_sync(enabled=not final)
 
     def finish_gradients(self):
