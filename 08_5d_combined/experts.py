@@ -41,12 +41,15 @@ def check_experts(args):
             raise ValueError(f"--ep {args.ep} splits experts: it needs --num-experts "
                              f"(a multiple of {args.ep})")
         return
-    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef)
+    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef, **moe.extras(args))
     expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
     if args.sp:
         raise ValueError("--num-experts with --sp is not supported: each tp rank's MoE block would see only "
                          "its T/tp tokens, so router and expert gradients would be partial sums over tp; "
                          "drop --sp (--tp and --cp compose with experts)")
+    if args.capacity_factor and args.cp > 1:
+        raise ValueError("--capacity-factor with --cp > 1 is not supported: the capacity is per sequence and "
+                         "each cp rank holds only T/cp of its tokens; drop --capacity-factor (dropless) or --cp")
     if args.init_from and args.tp > 1:
         raise ValueError("--init-from with --num-experts and --tp > 1: upcycling copies each dense MLP into "
                          "the experts, which TP keeps whole, after TP has split that MLP; upcycle with "
@@ -56,7 +59,8 @@ def check_experts(args):
 def apply_experts(full, args, grid):
     """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; under CP, the
     load-balancing statistics summed over the cp group; returns the blocks."""
-    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed)   # on shapes
+    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,   # on shapes
+                           **moe.extras(args))
     if grid.ep_size > 1:
         expert_parallel.apply_expert_parallel(full, grid)
     for block in blocks:
