@@ -59,7 +59,7 @@ def parallelize(model, args, grid):
     elif grid.tp_size > 1:
         tensor_parallel.apply_tensor_parallel(model, grid)
     if grid.cp_size > 1:
-        apply = {"ring": context_parallel.apply_context_parallel, "allgather": allgather_kv.apply_allgather_kv,
-                 "ulysses": ulysses.apply_ulysses}[args.cp_attn]
+        apply = {"ring": context_parallel.apply_context_parallel,
+                 "allgather": allgather_kv.apply_allgather_kv, "ulysses": ulysses.apply_ulysses}[args.cp_attn]
         apply(model, context_parallel.CPLayout(args.cp_layout, grid.cp_size), grid.cp_group)
     return model

@@ -40,11 +40,22 @@ modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
 def run_experts(experts, rows, counts):
     """rows (n, C) grouped by expert, counts[e] rows for the e-th expert of the ModuleDict -> (n, C).
 
-    Every expert is called, even on zero rows, so each has a (possibly zero) gradient on every rank
-    and the gradient all-reduces line up.
+    Grouped, not a loop of small matmuls: the experts' weights are stacked, (E, F, C) and (E, C, F), and
+    the groups padded to the largest, (E, M, C), so each projection is one batched matmul (padding rows
+    are zeros: they add nothing to the outputs kept or to any gradient). Every expert's weights enter the
+    stack, even with zero rows, so each has a (possibly zero) gradient on every rank and the gradient
+    all-reduces line up. The stacks are copies made per call (the weights keep 01's per-expert names).
     """
-    chunks = rows.split(counts.tolist())                                   # E × (counts[e], C)
-    return torch.cat([expert(chunk) for expert, chunk in zip(experts.values(), chunks)])
+    E, (n, C) = len(counts), rows.shape
+    expert_of_row = torch.arange(E, device=rows.device).repeat_interleave(counts)      # (n,)
+    slot = torch.arange(n, device=rows.device) - (counts.cumsum(0) - counts)[expert_of_row]   # (n,) in group
+    M = int(counts.max()) if n else 0                                                  # the largest group
+    padded = rows.new_zeros(E, M, C).index_put((expert_of_row, slot), rows)           # (E, M, C)
+    mlps = list(experts.values())
+    gate, up, down = (torch.stack([getattr(mlp, name).weight for mlp in mlps])      # (E, F, C) ×2, (E, C, F)
+                      for name in ("gate_proj", "up_proj", "down_proj"))
+    hidden = mlps[0].act_fn(padded @ gate.transpose(1, 2), padded @ up.transpose(1, 2))   # (E, M, F)
+    return (hidden @ down.transpose(1, 2))[expert_of_row, slot]                        # (E, M, C) -> (n, C)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -73,7 +84,7 @@ class SumOverRanks(torch.autograd.Function):
 
 
 def router_z_loss(logits):
-    """ST-MoE's z-loss (Zoph et al. 2022 §3.1): mean over tokens of logsumexp(logits)², logits (B, T, E) -> ().
+    """ST-MoE's z-loss (Zoph et al. 2022 §3.1): mean over tokens of logsumexp(logits)²; (B, T, E) -> ().
     It keeps the router's logits small, where float32/bf16 softmax rounds least; ∂/∂logits = 2·lse·p/N."""
     return logits.logsumexp(dim=-1).pow(2).mean()
 
@@ -88,7 +99,7 @@ def within_capacity(chosen, capacity: int, num_experts: int):
     B, T, k = chosen.shape
     queue = chosen.transpose(1, 2).reshape(B, k * T)                         # (B, k·T): choice-major
     onehot = torch.nn.functional.one_hot(queue, num_experts)                 # (B, k·T, E)
-    place = (onehot.cumsum(dim=1) - 1).gather(2, queue.unsqueeze(-1)).squeeze(-1)   # (B, k·T): 0, 1, … per expert
+    place = (onehot.cumsum(dim=1) - 1).gather(2, queue.unsqueeze(-1)).squeeze(-1)   # (B, k·T): 0, 1, …
     return (place < capacity).view(B, k, T).transpose(1, 2)                  # (B, T, k)
 
 
@@ -116,8 +127,8 @@ class MoE(nn.Module):
     """Router + E experts; a drop-in for a DecoderLayer's `mlp`: (B, T, C) -> ((B, T, C), α·aux), the
     layer's output and its α-weighted load-balancing loss, which the model adds to the task loss."""
 
-    def __init__(self, config, num_experts: int, top_k: int, aux_loss_coef: float = 0.0, shared_experts: int = 0,
-                 capacity_factor: float = 0.0, router_z_loss: float = 0.0):
+    def __init__(self, config, num_experts: int, top_k: int, aux_loss_coef: float = 0.0,
+                 shared_experts: int = 0, capacity_factor: float = 0.0, router_z_loss: float = 0.0):
         super().__init__()
         self.top_k, self.num_experts, self.aux_loss_coef = top_k, num_experts, aux_loss_coef
         self.capacity_factor, self.router_z_loss = capacity_factor, router_z_loss
@@ -154,7 +165,7 @@ class MoE(nn.Module):
         # (B, T, k): Mixtral's renormalised weights, Σ_k = 1; Switch's raw probability when k = 1
         weights = top_p if self.top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
-        if self.capacity_factor:       # rows over capacity are not computed: their output is 0 (residual only)
+        if self.capacity_factor:       # rows over capacity are not computed: output 0 (the residual only)
             kept = within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
             order = kept[expert_of_row[kept].argsort(stable=True)]          # (n_kept,) kept rows by expert
         else:
@@ -269,10 +280,11 @@ def dropped_rows(model) -> int:
     return sum(block.dropped for block in moe_blocks(model))
 
 
-def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int, shared_experts: int = 0) -> int:
+def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int,
+                    shared_experts: int = 0) -> int:
     """MFU's count for the parameters a token really uses: k experts, the shared ones and the router instead
     of one MLP, (k+shared−1)·3·C·F + C·E more matmul parameters per layer than the dense model, 6 FLOPs
-    each (dropped rows are counted: the bound at capacity)."""
+    each (rows dropped over capacity are counted as computed: an upper bound)."""
     extra = ((top_k + shared_experts - 1) * 3 * config.hidden_size * config.intermediate_size
              + config.hidden_size * num_experts)
     return dense_flops_per_token + 6 * config.num_hidden_layers * extra

@@ -116,7 +116,7 @@ def run(args, config, dataset, grid):
 
 
 def log_dropped(dropped, args, config, grid):
-    """Rows dropped over capacity, summed over the dp ranks (after the meter: not counted as training traffic)."""
+    """Rows dropped over capacity, summed over the dp ranks (after the meter: not training traffic)."""
     total = torch.tensor(sum(dropped), dtype=torch.float64)
     if grid.dp_size > 1:
         dist.all_reduce(total, group=grid.dp_group)

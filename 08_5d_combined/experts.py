@@ -48,8 +48,9 @@ def check_experts(args):
                          "its T/tp tokens, so router and expert gradients would be partial sums over tp; "
                          "drop --sp (--tp and --cp compose with experts)")
     if args.capacity_factor and args.cp > 1:
-        raise ValueError("--capacity-factor with --cp > 1 is not supported: the capacity is per sequence and "
-                         "each cp rank holds only T/cp of its tokens; drop --capacity-factor (dropless) or --cp")
+        raise ValueError("--capacity-factor with --cp > 1 is not supported: the capacity is per sequence "
+                         "and each cp rank holds only T/cp of its tokens; drop --capacity-factor (dropless) "
+                         "or --cp")
     if args.init_from and args.tp > 1:
         raise ValueError("--init-from with --num-experts and --tp > 1: upcycling copies each dense MLP into "
                          "the experts, which TP keeps whole, after TP has split that MLP; upcycle with "

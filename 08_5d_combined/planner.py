@@ -220,7 +220,8 @@ def build_parser():
 def layout_of(args) -> Layout:
     return Layout(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, cp_attn=args.cp_attn, pp=args.pp,
                   schedule=args.pp_schedule, chunks=args.pp_chunks, ep=args.ep, num_experts=args.num_experts,
-                  top_k=args.top_k, shared_experts=args.shared_experts, zero_stage=args.zero_stage, recompute=args.recompute,
+                  top_k=args.top_k, shared_experts=args.shared_experts, zero_stage=args.zero_stage,
+                  recompute=args.recompute,
                   precision=args.precision)
 
 

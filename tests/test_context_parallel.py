@@ -1,8 +1,8 @@
 """05_sequence_context_parallel: sequence parallelism, ring attention, zig-zag, against 01.
 
-Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention, all-gather
-K/V attention and Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads) against dense causal
-attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
+Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention,
+all-gather K/V attention and Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads)
+against dense causal attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
 gradient, with SP's norm-gradient all-reduce and CP's gradient averaging applied).
 Formulas measured, not assumed: SP moves the same bytes as TP (all-reduce = reduce-scatter +
 all-gather), CP sends cp−1 K/V blocks per layer forward (cp−1 K/V + cp dK/dV backward), SP divides
@@ -300,8 +300,8 @@ def test_zigzag_balances_attention_work():
     results = run_ranks(tile_counts, 4, timeout=120)
     for kind in context_parallel.LAYOUTS:       # all-gather KV: the ring's tiles, the ring's output at cp 4
         for rank in results:
-            (ring_scores, ring_out), (gathered_scores, gathered_out) = (rank[kind, name] for name in
-                                                                        ("RingAttention", "AllGatherKVAttention"))
+            names = ("RingAttention", "AllGatherKVAttention")
+            (ring_scores, ring_out), (gathered_scores, gathered_out) = (rank[kind, name] for name in names)
             assert ring_scores == gathered_scores
             torch.testing.assert_close(gathered_out, ring_out, **EXACT)
     counts = [{kind: rank[kind, "RingAttention"][0] for kind in context_parallel.LAYOUTS} for rank in results]

@@ -309,8 +309,8 @@ def _reference(*flags):
     records, model, _, dropped = _main07(flags, 4, 2)
     _, experts = moe.split_parameters(model)
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
-            {k: v.detach().clone() for k, v in model.state_dict().items()}, sum(p.numel() * 4 for p in experts),
-            dropped)
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+            sum(p.numel() * 4 for p in experts), dropped)
 
 
 @pytest.fixture(scope="module")
