@@ -5,19 +5,18 @@ Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et al. 202
 
     p = softmax(x · Wgᵀ)   (E,), in float32;   S = top-k indices of p
     w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2, Mixtral);   w_e = p_e  (k = 1, Switch: the router keeps a gradient)
-    y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP
+    y = Σ_{e∈S, kept} w_e · expert_e(x) + shared(x)     expert_e = 01's SwiGLU; shared: DeepSeekMoE's
+Dropless by default: the layer is an exact function of its input, so any split of the batch gives the
+same numbers. `--capacity-factor F` keeps ⌈F·T·k/E⌉ rows per expert per sequence (GShard's groups: no
+split of the batch changes which). Side losses, per sequence (no split changes them either):
 
-Dropless (no capacity factor, no dropped tokens): the layer is an exact function of its input, so any
-split of the batch gives the same numbers. Load balancing (Switch's auxiliary loss, α =
-`--aux-loss-coef`), per sequence of T tokens (DeepSeek-V3's sequence-wise loss, so that no split of
-the batch changes it):
+    aux = E · Σ_i f_i · P_i,  f_i = #{choices to i}/(T·k),  P_i = Σ_t p_i(t)/T     (Switch, α)
+    z   = mean_t logsumexp(x_t · Wgᵀ)²                                             (ST-MoE, β)
 
-    f_i = #{choices routed to i}/(T·k),   P_i = Σ_t p_i(t)/T,   aux = E · Σ_i f_i · P_i
-
-and the block returns (y, α·aux), which every layer returns and the model adds to the task loss. Under
-08's context parallelism `stats_group` sums the statistics over the cp ranks first (`SumOverRanks`).
-`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert (expert_parallel.py swaps
-in the all-to-all version). Derivations, upcycling, parameter names: 07_expert_parallel/README.md.
+and the block returns (y, α·aux + β·z), which the model adds to the task loss. Under 08's context
+parallelism `stats_group` sums aux's statistics over the cp ranks first (`SumOverRanks`).
+`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert, one batched matmul per
+projection (expert_parallel.py swaps in the all-to-all version). Derivations: this folder's README.md.
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2        # the single-device MoE
 

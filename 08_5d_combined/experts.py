@@ -15,7 +15,8 @@ not carry over to pipeline stages, tensor and context parallelism is done here:
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are whole on every tp rank, like the norm weights (Megatron's
 expert-TP = 1). Not composed: --sp (each tp rank's block would see only its T/(cp·tp) tokens, so the
-router's and experts' gradients would be partial sums over tp). The derivations, including why
+router's and experts' gradients would be partial sums over tp), and --capacity-factor with --cp (the
+capacity is per sequence, split over the cp ranks). The derivations, including why
 SumOverRanks' backward sums: 08_5d_combined/README.md.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 \\

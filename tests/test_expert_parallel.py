@@ -210,6 +210,7 @@ def test_mfu_counts_the_parameters_a_token_uses():
     (["--top-k", 5], "--top-k 5 must be between 1 and --num-experts 4"),
     (["--num-experts", 0], "--num-experts must be at least 1"),
     (["--aux-loss-coef", -1], "--aux-loss-coef must be non-negative"),
+    (["--capacity-factor", -1], "--capacity-factor must be non-negative"),
     (["--dp", 2, "--ep", 2], "launch with --nproc_per_node 2"),
 ])
 def test_bad_layouts_fail_before_any_process_group(monkeypatch, capsys, flags, message):
