@@ -56,6 +56,7 @@ CASES = [
     ("log-every-0", "01", ["--log-every", "0"], "--log-every must be at least 1", {}),
     ("lr-decay-steps-0", "01", ["--lr-decay-steps", "0"], "--lr-decay-steps must be at least 1", {}),
     ("peak-tflops-0", "01", ["--peak-tflops", "0"], "--peak-tflops must be a positive finite number", {}),
+    ("profile-2-steps", "01", ["--profile", "{fresh}"], "--profile records from the 3rd step on", {}),
     ("timeout-0", "01", ["--timeout-s", "0"], "--timeout-s must be a positive finite number", {}),
     ("checkpoint-every-negative", "01", ["--checkpoint-every", "-5", "--checkpoint-dir", "{fresh}"],
      "--checkpoint-every must be 0 or more", {}),
