@@ -16,6 +16,7 @@ import common
 from harness import layout_results, run_layouts, run_ranks
 
 zero_mod = import_module("03_zero.zero")
+offload_mod = import_module("03_zero.offload")
 
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
 STAGES = (1, 2, 3)
@@ -24,7 +25,7 @@ STAGES = (1, 2, 3)
 def _zero_stage(stage, steps, grad_acc, extra=()):
     """One ZeRO stage on this rank (a spawn runs the stages in turn, in the same processes)."""
     zero_train = import_module("03_zero.train")
-    records, zero, model, optimizer, meter = zero_train.main(
+    records, zero, model, optimizer, meter, _ = zero_train.main(
         common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps, mbs=1,
                     grad_acc=grad_acc))
     events = list(zero.events)                  # the last step's, before full_state_dict gathers
@@ -140,6 +141,58 @@ def _zero_rank_dp2():
     return _zero_stage(3, 2, 1, extra=("--recompute", "full"))
 
 
+def _offload_stage(stage, steps, grad_acc):
+    """ZeRO-s with --offload optimizer on this rank: its numbers, and where the optimizer's tensors live."""
+    records, zero, model, optimizer, _, offload = import_module("03_zero.train").main(
+        common.argv(*ODD, "--dp", world_size(), "--zero-stage", stage, "--offload", "optimizer", steps=steps,
+                    mbs=1, grad_acc=grad_acc))
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def storages(tensors):                           # the distinct buffers behind tensors (freed ones: none)
+        return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
+    device = storages([*model.parameters(), *(p.grad for p in model.parameters()), *zero.shards,
+                       *(t for u in zero.units for t in (u.full, u.shard, u.grad, u.grad_full, u.shard_grad))])
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
+                held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
+                expected=offload_mod.expected_bytes(stage, world_size(), zero.padded_bytes),
+                steps_masters=len(stepped) == len(offload.master) and
+                              {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
+                disjoint=not device & storages([*offload.master, *offload.grads, *states]),
+                adam_steps={float(state["step"]) for state in optimizer.state.values()},
+                copied_back=all(torch.equal(m, s) for m, s in zip(offload.master, offload.shards)))
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda stage: f"zero{stage}")
+def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_device(offload_dp2, stage):
+    """ZeRO-Offload, dp 2 × mbs 1 × grad_acc 2, stages 1-3, == 01 with mbs 2 × grad_acc 2 (tolerances as
+    above: the same AdamW on the same fp32 numbers, only on other tensors).
+
+    Where things live, per rank: the optimizer steps exactly offload.master, and every tensor it holds
+    (masters, host gradients, exp_avg, exp_avg_sq) is a buffer of its own, none shared with the model's
+    parameters, gradients or ZeRO's flat buffers (on a GPU: on the CPU, pinned; here both are the CPU, so
+    separate buffers are what can be checked). Bytes, exact, against offload.expected_bytes: device
+    parameters/gradients as ZeRO-s with 0 optimizer states; host master Ψ/N, gradients Ψ/N, states 2Ψ/N.
+    After the last step the device shards equal the masters (copied back), AdamW counted 2 steps.
+    """
+    results = layout_results(offload_dp2[0], f"zero{stage}")
+    check_against_single(results, stage, offload_dp2[1])
+    for rank, got in enumerate(results):
+        what = f"ZeRO-{stage} offload, rank {rank}"
+        device, host = got["expected"]
+        assert got["held"] == device and device[2] == 0 and got["host"] == host, what
+        assert got["steps_masters"] and got["disjoint"] and got["copied_back"], what
+        assert got["adam_steps"] == {float(STEPS)}, what
+
+
+@pytest.fixture(scope="module")
+def offload_dp2():
+    """One 2-rank spawn runs the three stages with --offload optimizer; 01's run of the same batch."""
+    return (run_layouts(_offload_stage, {f"zero{stage}": stage for stage in STAGES}, 2, args=(STEPS, GRAD_ACC)),
+            single_device(STEPS, 2, GRAD_ACC))
+
+
 def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
     """A wrong world size, or ZeRO-3 with tied weights, exits with the fix named and no group made."""
     import torch.distributed as dist
@@ -151,3 +204,6 @@ def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
             zero_train.main(common.argv(*flags))
         assert message in capsys.readouterr().err
     assert not dist.is_initialized()
+    offload_flags = dict(offload="optimizer", zero_stage=3, resume=True, device="cpu", on_nonfinite="stop")
+    with pytest.raises(ValueError, match="resume with --zero-stage 1 or 2"):   # needs a checkpoint to reach
+        offload_mod.check_offload(type("Args", (), offload_flags))
