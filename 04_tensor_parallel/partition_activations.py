@@ -50,7 +50,10 @@ class PartitionedCheckpoint(torch.autograd.Function):
         x = tensor_parallel.all_gather_along(shard, -1, ctx.group)      # (B, T, C/t) -> (B, T, C)
         x.requires_grad_(True)
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+        # The recomputed activations live only during this layer's backward. Kept out of 01's meter
+        # (memory.saved_activation_bytes) as torch's checkpoint keeps its own: both report the checkpoints.
+        with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             y, _ = ctx.layer(x, cos, sin)                                # the forward again, TP's f/f̄ included
         grads = torch.autograd.grad(y, (x, *ctx.params), grad_y, allow_unused=True)
         return None, None, grads[0], None, None, *grads[1:]

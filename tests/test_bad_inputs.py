@@ -156,6 +156,8 @@ CASES = [
     ("02-resume-corrupt", "02", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"], "fails its sha256 check", {}),
     ("03-json-log-missing-folder", "03", ["--json-log", "{missing}/log.jsonl"], "create it or pass another path", {}),
     ("tp-3", "04", ["--tp", "3"], "tp=3 does not divide num_attention_heads=4", {}),
+    ("partition-activations-alone", "04", ["--partition-activations"], "add --recompute full and --tp 2 or more",
+     {}),
     ("04-checkpoint-dir-is-a-file", "04", ["--checkpoint-dir", "{file}"], "is a file: pass a folder", {}),
     ("sp-without-tp", "05", ["--sp"], "--sp", {}),
     ("cp-seq-len", "05", ["--cp", "3"], "cp", {}),

@@ -226,16 +226,16 @@ def tp2_run(layout):
 
 
 def recompute_run(layout):
-    """train_layout's numbers, with the all-gather wire bytes of the run, and the bytes autograd keeps for
-    backward (live when one forward of the trained model has ended: the checkpoints and the head's)."""
+    """train_layout's numbers, with the all-gather wire bytes of the run, and what autograd keeps for
+    backward over one more forward and backward of the trained model: the peak (when the forward ends:
+    the layers' checkpoints, the head's and the loss's tensors) and what is left after the backward."""
     module, extra = layout
     with comm.CommMeter() as meter:
         records, model = import_module(module).main(common.argv(*extra))[:2]
     ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
-        loss = model(ids[:, :-1], labels=ids[:, 1:])                    # (mbs 4, T): the runs' micro-batch
-    del loss
-    return numbers(records, model), dict(live=saved.live, gather_wire=sum(v for (op, _), v in meter.wire.items()
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()                # (mbs 4, T): the runs' micro-batch
+    return numbers(records, model), dict(peak=saved.peak, left=saved.live, gather_wire=sum(v for (op, _), v in meter.wire.items()
                                                          if op == "all_gather"))
 
 
@@ -278,10 +278,11 @@ def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_
     """ZeRO-R's P_a at tp 2 (--recompute full --partition-activations) == 01 (tolerances above), and equal
     to tp 2's plain full recompute exactly: the same forward is rerun on the same, re-gathered input.
 
-    Bytes, exact, per rank, L = 4 layers of input (B, T, C) = (4, 32, 32) fp32, t = 2: after one forward the
-    layer checkpoints hold L·B·T·C·4 bytes without P_a and 1/t of that with it (ZeRO §6.1), everything else
-    (the head's and the loss's saved tensors, RoPE's cos/sin) being the same; the run's extra all-gather wire
-    is one (t−1)/t·B·T·C·4 per layer, micro-batch and step (3 steps × 1 micro-batch), in backward."""
+    Bytes, exact, per rank, L = 4 layers of input (B, T, C) = (4, 32, 32) fp32, t = 2: at the saved-tensor
+    peak of a forward and backward (the end of the forward) the layer checkpoints hold L·B·T·C·4 bytes
+    without P_a and 1/t of that with it (ZeRO §6.1), everything else (the head's and the loss's tensors,
+    RoPE's cos/sin) being the same, and the backward releases all of it; the run's extra all-gather wire is
+    one (t−1)/t·B·T·C·4 per layer, micro-batch and step (3 steps × 1 micro-batch), in backward."""
     outcomes, _ = tp2_runs
     L, B, T, C, t, steps = 4, 4, common.SEQ_LEN, 32, 2, 3
     plain, partitioned = layout_results(outcomes, "tp2-full"), layout_results(outcomes, "tp2-full-pa")
@@ -291,7 +292,8 @@ def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_
         for name, value in full_numbers[2].items():
             assert (pa_numbers[2][name] == value).all(), f"rank {rank} {name}"
         checkpoints = L * B * T * C * 4
-        assert full["live"] - pa["live"] == checkpoints - checkpoints // t, f"rank {rank}"
+        assert full["peak"] - pa["peak"] == checkpoints - checkpoints // t, f"rank {rank}"
+        assert full["left"] == pa["left"] == 0, f"rank {rank}"
         assert pa["gather_wire"] - full["gather_wire"] == steps * L * (t - 1) * B * T * C * 4 // t, f"rank {rank}"
 
 
