@@ -16,58 +16,41 @@ along T, (B, T/t, C), and there is nothing left to partition: P_a is for TP with
 
     torchrun --nproc_per_node 2 04_tensor_parallel/train.py --tp 2 --recompute full --partition-activations
 
-New compared with 01's recompute.py: the checkpoint is an autograd Function here, so that what it saves for
-backward is a slice. Shape legend as in tensor_parallel.py (t = tp size).
+New compared with 01's recompute.py: torch's checkpoint is given the slice as its argument (what it keeps) and
+the whole input only for the forward. Shape legend as in tensor_parallel.py (t = tp size).
 """
 import functools
 from importlib import import_module
 
-import torch
+from torch.utils.checkpoint import checkpoint
 
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 
 
-class PartitionedCheckpoint(torch.autograd.Function):
-    """forward: `layer(x, cos, sin)` without storing its activations, saving x's (B, T, C/t) slice;
-    backward: all-gather x (B, T, C), recompute the layer with grad, return dL/dx and the parameters'
-    gradients. The parameters are inputs of the Function, so autograd accumulates their gradients in the
-    model's own backward (02's gradient hooks fire there, as without P_a)."""
+def partitioned_checkpoint(layer_forward, tp_group):
+    """`layer_forward(x, cos, sin)`, checkpointed by torch's (non-reentrant) checkpoint on x's slice: the
+    checkpoint keeps its arguments, and the argument here is (B, T, C/t). The whole x is handed to the
+    first run alone (no communication in forward); the recomputation in backward all-gathers it. Backward
+    runs through the forward's own graph (torch's checkpoint only refills the saved tensors), so dL/dx is
+    whole and the parameters' gradients accumulate as without P_a."""
+    @functools.wraps(layer_forward)
+    def forward(x, cos, sin):                                            # x (B, T, C), equal on every tp rank
+        shard = tensor_parallel.split_along(x.detach(), -1, tp_group)   # (B, T, C/t): all that is kept
+        first_run, needs_grad = [x], x.requires_grad                     # x itself, for the forward only
 
-    @staticmethod
-    def forward(ctx, layer, group, x, cos, sin, *params):                # x (B, T, C), equal on every tp rank
-        device = x.device.type
-        ctx.layer, ctx.group, ctx.params = layer, group, params
-        ctx.autocast = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
-        ctx.save_for_backward(tensor_parallel.split_along(x, -1, group), cos, sin)   # (B, T, C/t)
-        y, aux = layer(x, cos, sin)                                      # grad is off inside forward
-        if torch.is_tensor(aux):
-            raise ValueError("--partition-activations recomputes layers without an auxiliary loss (no MoE)")
-        return y                                                         # (B, T, C)
-
-    @staticmethod
-    def backward(ctx, grad_y):                                           # (B, T, C)
-        shard, cos, sin = ctx.saved_tensors
-        x = tensor_parallel.all_gather_along(shard, -1, ctx.group)      # (B, T, C/t) -> (B, T, C)
-        x.requires_grad_(True)
-        enabled, dtype = ctx.autocast
-        # The recomputed activations live only during this layer's backward. Kept out of 01's meter
-        # (memory.saved_activation_bytes) as torch's checkpoint keeps its own: both report the checkpoints.
-        with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            y, _ = ctx.layer(x, cos, sin)                                # the forward again, TP's f/f̄ included
-        grads = torch.autograd.grad(y, (x, *ctx.params), grad_y, allow_unused=True)
-        return None, None, grads[0], None, None, *grads[1:]
+        def run(shard, cos, sin):
+            if first_run:
+                return layer_forward(first_run.pop(), cos, sin)
+            full = tensor_parallel.all_gather_along(shard, -1, tp_group)   # (B, T, C/t) -> (B, T, C)
+            return layer_forward(full.requires_grad_(needs_grad), cos, sin)   # saves what the forward saved
+        return checkpoint(run, shard, cos, sin, use_reentrant=False)
+    return forward
 
 
 def apply_partitioned_recompute(model, tp_group):
-    """--recompute full with P_a: every decoder layer's forward becomes a PartitionedCheckpoint."""
+    """--recompute full with P_a: every decoder layer's forward checkpointed on its input's tp slice."""
     for layer in model.model.layers:
-        inner, params = layer.forward, tuple(p for p in layer.parameters() if p.requires_grad)
-
-        @functools.wraps(inner)
-        def forward(x, cos, sin, inner=inner, params=params):
-            return PartitionedCheckpoint.apply(inner, tp_group, x, cos, sin, *params), 0.0
-        layer.forward = forward
+        layer.forward = partitioned_checkpoint(layer.forward, tp_group)
     return model
 
 

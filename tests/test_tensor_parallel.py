@@ -235,8 +235,8 @@ def recompute_run(layout):
     ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
         model(ids[:, :-1], labels=ids[:, 1:]).backward()                # (mbs 4, T): the runs' micro-batch
-    return numbers(records, model), dict(peak=saved.peak, left=saved.live, gather_wire=sum(v for (op, _), v in meter.wire.items()
-                                                         if op == "all_gather"))
+    return numbers(records, model), dict(peak=saved.peak, left=saved.live, calls=dict(meter.calls),
+                                         wire=dict(meter.wire))
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +281,9 @@ def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_
     Bytes, exact, per rank, L = 4 layers of input (B, T, C) = (4, 32, 32) fp32, t = 2: at the saved-tensor
     peak of a forward and backward (the end of the forward) the layer checkpoints hold L·B·T·C·4 bytes
     without P_a and 1/t of that with it (ZeRO §6.1), everything else (the head's and the loss's tensors,
-    RoPE's cos/sin) being the same, and the backward releases all of it; the run's extra all-gather wire is
-    one (t−1)/t·B·T·C·4 per layer, micro-batch and step (3 steps × 1 micro-batch), in backward."""
+    RoPE's cos/sin) being the same, and the backward releases all of it. Communication: P_a adds one
+    all-gather of (t−1)/t·B·T·C·4 wire bytes per layer, micro-batch and step (3 steps × 1 micro-batch),
+    in backward, and no other call (torch's checkpoint reruns the same part of each layer either way)."""
     outcomes, _ = tp2_runs
     L, B, T, C, t, steps = 4, 4, common.SEQ_LEN, 32, 2, 3
     plain, partitioned = layout_results(outcomes, "tp2-full"), layout_results(outcomes, "tp2-full-pa")
@@ -294,7 +295,12 @@ def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_
         checkpoints = L * B * T * C * 4
         assert full["peak"] - pa["peak"] == checkpoints - checkpoints // t, f"rank {rank}"
         assert full["left"] == pa["left"] == 0, f"rank {rank}"
-        assert pa["gather_wire"] - full["gather_wire"] == steps * L * (t - 1) * B * T * C * 4 // t, f"rank {rank}"
+        gathers = [key for key in pa["wire"] if key[0] == "all_gather"]   # the group is named by its ranks
+        assert [key for key in full["wire"] if key[0] == "all_gather"] == [] and len(gathers) == 1
+        assert pa["wire"][gathers[0]] == steps * L * (t - 1) * B * T * C * 4 // t, f"rank {rank}"
+        assert pa["calls"][gathers[0]] == steps * L, f"rank {rank}"
+        others = {key: n for key, n in pa["calls"].items() if key[0] != "all_gather"}
+        assert others == full["calls"], f"rank {rank}: P_a adds the all-gathers, nothing else"
 
 
 FOUR_RANKS = {"tp4": (TP, ["--tp", "4", "--num-kv-heads", "4"]),
