@@ -6,13 +6,14 @@ backward (01's recompute.py). Under TP that input is replicated: the t ranks kee
 P_a keeps 1/t of it per rank and all-gathers it when backward reaches the layer:
 
     forward   y = layer(x) without keeping its activations; keep x's slice tp_rank along C: (B, T, C/t)
-    backward  x = all-gather of the t slices (B, T, C); rerun y = layer(x) with grad; backpropagate dL/dy
+    backward  x = all-gather of the t slices (B, T, C); the layer's forward reruns from it (torch's
+              checkpoint: refilling what backward needs), then dL/dy flows back through the layer
 
 Checkpoint bytes per rank: L·b·s·h·e → L·b·s·h·e/t ("reduced by the MP degree", ZeRO §6.1), e bytes per
-element. Cost: one all-gather per layer and micro-batch, (t−1)/t·b·s·h·e wire bytes, beside the 12·b·s·h
-of TP's all-reduces with recompute (ZeRO §8: under 10% of MP's volume). Numerics are unchanged: the same
-forward is rerun on the same input. With 05's sequence parallelism the layer input is already sharded
-along T, (B, T/t, C), and there is nothing left to partition: P_a is for TP without SP.
+element. Cost: one all-gather per layer and micro-batch, (t−1)/t·b·s·h·e wire bytes (ZeRO §8: under 10%
+of TP's all-reduce volume with recompute). Numerics are unchanged: the same forward reruns on the same
+input. With 05's sequence parallelism the layer input is already sharded along T, (B, T/t, C), and there
+is nothing left to partition: P_a is for TP without SP.
 
     torchrun --nproc_per_node 2 04_tensor_parallel/train.py --tp 2 --recompute full --partition-activations
 
