@@ -26,6 +26,7 @@ from harness import layout_results, run_layouts
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
+v_schedules = import_module("06_pipeline.v_schedules")
 STEPS, MBS = 2, 2
 TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
 
@@ -50,6 +51,7 @@ def _check(flag_set, runs):
     flags = dict(zip(extra[::2], extra[1::2]))
     p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
     dp = int(flags["--dp"])
+    v_shape, pairs = schedule in pipeline.V_SHAPED, schedule == "dualpipev"
     layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
     ref_extra = ["--num-layers", layers] if layers else []
     ref_losses, ref_norms, ref_state = common.single_device_reference(*ref_extra, steps=STEPS, mbs=MBS * dp,
@@ -66,22 +68,33 @@ def _check(flag_set, runs):
             state[name] = value
         # --- memory: micro-batches whose activations a stage held at its peak ---
         assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
-        assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p}.get(schedule, m * V)
+        assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p, "zb-v": 2 * p,
+                                    "dualpipev": 2 * p + 1}.get(schedule, m * V)
         # --- communication: activations forward, gradients backward, mbs·T·C float32 each ---
         first, last = run["pp_rank"] == 0, run["pp_rank"] == p - 1
-        assert run["sends"] == m * (2 * V - first - last), what
+        if v_shape:       # rank 0 holds the first and the last block; rank p−1 turns the V in memory
+            assert run["sends"] == m * (4 - 2 * first - 2 * last), what
+        else:
+            assert run["sends"] == m * (2 * V - first - last), what
         element = 8 if dtype == "float64" else 4
         assert run["isend_bytes"] == STEPS * run["sends"] * MBS * common.SEQ_LEN * 32 * element, what
     assert state.keys() == ref_state.keys(), f"{what}: the stages do not cover the model exactly once"
     # --- the executed timeline (rank 0's pipeline) ---
     events = runs[0]["events"]
-    assert timeline.timeline_violations(events, p, V) == [], what
+    assert timeline.timeline_violations(events, p, V, v_shape) == [], what
     for rank in range(p):
         ops = [e.op for e in events if e.rank == rank]
-        assert (ops.count("F"), ops.count("B"), ops.count("W")) == \
-            (m * V, m * V, m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
-    replayed = timeline.replayed_bubble(events, p, V)
+        assert (ops.count("F"), ops.count("B")) == (m * V, m * V), f"{what}, rank {rank}"
+        if v_shape:       # what ran is the schedule's order (its I is a B whose W runs apart)
+            order = v_schedules.ORDERS[schedule](p, rank, m)
+            assert [(e.op, e.micro, e.chunk) for e in events if e.rank == rank] == \
+                [("B" if op == "I" else op, micro, chunk) for op, micro, chunk in order], f"{what}, rank {rank}"
+        else:
+            assert ops.count("W") == (m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
+    replayed = timeline.replayed_bubble(events, p, V, v_shape, pairs)
     assert replayed == pytest.approx(timeline.theory_bubble(schedule, p, m, V), abs=1e-9), what
+    if pairs:             # as it ran here, each F before its paired B: the F need not wait, half the idle
+        assert timeline.replayed_bubble(events, p, V, v_shape) == pytest.approx((p - 1) / (6 * m), abs=1e-9)
     print(f"{what}: bubble measured {timeline.measured_bubble(events):.0%} (CPU wall clock, noisy), "
           f"replayed {replayed:.1%}, theory {timeline.theory_bubble(schedule, p, m, V):.1%}")
 
@@ -97,7 +110,8 @@ def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
 PP4 = dict([_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
             _flags(4, "interleaved", 8, chunks=2, layers=8)])          # the command of 06's README
 PP2 = dict([_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2),
-            _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2)])
+            _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2),
+            _flags(2, "zb-v", 2, chunks=2), _flags(2, "zb-v", 5, chunks=2), _flags(2, "dualpipev", 4, chunks=2)])
 DP2_PP2 = dict(_flags(2, schedule, m, chunks, dp=2, dtype="float64")
                for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2)))
 
@@ -189,6 +203,10 @@ def test_bad_layouts_fail_before_any_process_group(capsys):
         check(8, 4, 2, "interleaved", 2, False)
     with pytest.raises(ValueError, match=r"--pp-chunks 2 needs --pp-schedule interleaved"):
         check(8, 2, 2, "1f1b", 4, False)
+    with pytest.raises(ValueError, match=r"--pp-schedule zb-v places two chunks per rank V-wise: pass --pp-chunks 2"):
+        check(8, 2, 1, "zb-v", 4, False)
+    with pytest.raises(ValueError, match=r"dualpipev schedule needs --grad-acc .* at least 2·pp = 8, got 6"):
+        check(8, 4, 2, "dualpipev", 6, False)
     with pytest.raises(ValueError, match=r"--tie-embeddings with --pp > 1 is not supported"):
         check(4, 2, 1, "1f1b", 4, True)
     import torch.distributed as dist
