@@ -135,7 +135,8 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1, v_shape: 
     from matplotlib.patches import Patch
 
     colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
-    fig, axes = plt.subplots(2, 1, figsize=(10, 0.8 * p + 2.2), dpi=80)
+    passes = max(sum(e.rank == r for e in events) for r in range(p))      # V schedules: 6m boxes a row
+    fig, axes = plt.subplots(2, 1, figsize=(max(10, passes / 4), 0.8 * p + 2.2), dpi=80)
     panels = ((axes[0], events, 1e3, "executed: wall-clock time (ms)"),
               (axes[1], replay(events, p, chunks, v_shape, pairs), 1,
                "the same order replayed with ideal times (t_F = 1)" + (", F&B pairs as one unit" if pairs else "")))

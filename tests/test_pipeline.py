@@ -108,7 +108,8 @@ def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
 
 
 PP4 = dict([_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
-            _flags(4, "interleaved", 8, chunks=2, layers=8)])          # the command of 06's README
+            _flags(4, "interleaved", 8, chunks=2, layers=8),           # the command of 06's README
+            _flags(4, "zb-v", 4, chunks=2, layers=8), _flags(4, "dualpipev", 8, chunks=2, layers=8)])
 PP2 = dict([_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2),
             _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2),
             _flags(2, "zb-v", 2, chunks=2), _flags(2, "zb-v", 5, chunks=2), _flags(2, "dualpipev", 4, chunks=2)])
