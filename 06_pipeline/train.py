@@ -5,7 +5,8 @@ exactly as in 01, then each rank keeps only its stage (pipeline.py) and runs the
 --grad-acc micro-batches (schedules.py); the last stage's loss is broadcast so every rank logs the same
 number, and the gradient norm is taken over all stages. With --dp, the dp pipelines average their
 gradients once, after the last micro-batch (02's `average_gradients`).
-Bubble (idle / useful per rank): (p−1)/m for afab and 1f1b, (p−1)/(V·m) interleaved, (p−1)/(3m) zb-h1.
+Bubble (idle / useful per rank): (p−1)/m for afab and 1f1b, (p−1)/(V·m) interleaved, (p−1)/(3m) zb-h1
+and dualpipev, (p−1)/(6m) zb-v (v_schedules.py; --pp-chunks 2, blocks placed V-wise).
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8 \\
         --timeline 1f1b.png

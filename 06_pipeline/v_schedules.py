@@ -1,23 +1,24 @@
 """V-shaped schedules: two chunks per rank placed V-wise, the backward split into B and W.
 
 Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241) §6, ZB-V; DeepSeek-V3 report
-(arXiv 2412.19437) §3.2.1 and deepseek-ai/DualPipe's DualPipeV (its V form, "cut in half").
-Rank r of p holds blocks r and 2p−1−r of 2p (pipeline.block_index): a micro-batch runs down the
-ranks in chunk 0 and back up in chunk 1, so rank 0 holds the embedding and the loss. With t_F, t_B,
-t_W the times of one chunk's passes (B: input gradient; a full backward is B+W), the idle time of a
-rank in one step (the replayed timeline, timeline.py):
+(arXiv 2412.19437) §3.2.1 and deepseek-ai/DualPipe's DualPipeV (DualPipe "cut in half"); playbook §2.6.
+Rank r of p holds blocks r and 2p−1−r of 2p (pipeline.block_index): a micro-batch goes down the
+ranks in chunk 0 and back up in chunk 1, so rank 0 holds the embedding and the loss. With t one
+chunk pass (t_F = t_B = t_W, a whole backward 2t) a rank works 6m·t per step and idles
 
-    zb-v        (p−1)·(t_F + t_B − 2t_W)/... = 0 when t_F = t_B = t_W inside each rank's span
-    dualpipev   (p−1)·(F&B + B_full − 3t_W)   (DeepSeek-V3 Table 2 with PP = 2p stages; here F&B
-                 = t_F + B_full: on one stream the paired F and B run one after the other)
+    zb-v       (p−1)·t: no idle inside a rank's span (ZB paper §6) once m ≥ 2p−1, only the staggered
+               start and end; bubble (p−1)/(6m); peak 2p micro-batch·chunks (= 1F1B's p stages)
+    dualpipev  (PP/2−1)(F&B + B − 3W) = 2(p−1)·t with PP = 2p (DeepSeek-V3 Table 2, F&B = 3t: the
+               pair's F and whole B, B = 2t, W = t); bubble (p−1)/(3m); peak 2p + 1 (Table 2's PP + 1)
 
-Each schedule is an order of passes per rank, ("F" | "B" | "I" | "W", micro-batch, chunk) with B the
-whole backward and I the input gradient whose W runs later (zero_bubble.py), written as the same
-phases as `torch.distributed.pipelining`'s ScheduleZBVZeroBubble and ScheduleDualPipeV (the test
-compares the two orders); `run_order` executes one with schedules.Pipeline.
+An order is a list per rank of (op, micro-batch, chunk), op F, B (whole backward), I (input gradient,
+its dW queued) or W (a queued dW, zero_bubble.py), built in the phases of torch.distributed.pipelining's
+ScheduleZBVZeroBubble and ScheduleDualPipeV (tests/test_v_schedules.py compares the orders);
+`run_order` runs one on schedules.Pipeline. DualPipe overlaps each F&B pair on a GPU; here its F runs,
+then its B.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-chunks 2 --pp-schedule zb-v --grad-acc 8
-New compared with zb-h1: two chunks V-wise, so the cool-down of chunk 0 overlaps chunk 1's work.
+New compared with zb-h1: two chunks V-wise, so one rank's chunk-1 work fills its chunk-0 bubbles.
 """
 from collections import Counter
 

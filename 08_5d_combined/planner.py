@@ -10,7 +10,7 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
              over the N = dp·cp ranks; activations by 01's Korthikanti estimate for the micro-batches
              the schedule holds; the last stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
-  bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1
+  bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1 and DualPipeV, (p−1)/(6m) ZB-V
   overlap    t_comm/t_compute per dimension (App. 5.3), e.g. dp e·(N−1)/(2N·tokens)·peak/bw (E6: the
              playbook's form is dimensionally wrong) and tp e·(t−1)/(2h)·peak/bw (E9), intra- or
              inter-node by the rank order [TP, CP, PP, DP]; EXPOSED where a ratio exceeds 1

@@ -13,7 +13,8 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
              backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
-             one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; dp4 (ep2) with
+             one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
+             with DualPipeV (grad-acc 4) and dp2 × pp2 with ZB-V (grad-acc 3); dp4 (ep2) with
              4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
              (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp))
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),

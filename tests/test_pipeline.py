@@ -4,16 +4,18 @@ Whole-model checks (real gloo ranks; one spawn per world runs several flag sets 
 checked in its own test):
 losses of every step and the final parameters equal 01's for the same global batch
 (dp·mbs·grad_acc), for pp 2 and 4, m from p to 2p+1, afab / 1f1b / interleaved (V = 1, 2) / zb-h1,
-and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
+the V-shaped zb-v (pp 2 with m 2 and 5, pp 4 with m 4) and dualpipev (pp 2, m 4; pp 4, m 8), and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
 gradient norm is summed per stage and then across stages, dp averages are summed in another order and
 ZB-H1 computes dW in its own W pass (06's zero_bubble.py), so results differ by float32 rounding (~1e-7
 relative); after 2 AdamW steps (whose update ~ lr·g/|g| amplifies rounding for tiny g) parameters
 agree to 1e-5 absolute, losses to 1e-6 relative.
 
 Schedule checks on what really ran: peak micro-batches held (m for AFAB, p − rank for 1F1B, p for
-ZB-H1, Megatron's warm-up + 1 for interleaved), the timeline is causally consistent, each rank ran
-m·V F and m·V B (and m W for ZB-H1), the recorded order replayed with ideal pass times gives exactly
-the theory bubble, and the point-to-point bytes equal m·(2V − [first] − [last])·mbs·T·C·4.
+ZB-H1, Megatron's warm-up + 1 for interleaved, v_schedules.peak_held V-wise), the timeline is causally
+consistent, each rank ran m·V F and m·V B (and m W for ZB-H1; V-wise exactly its schedule's order),
+the recorded order replayed with ideal pass times gives exactly the theory bubble (DualPipeV: with its
+F&B pairs as units, and (p−1)/(6m) as run, F before B), and the point-to-point bytes equal
+m·(2V − [first] − [last])·mbs·T·C·4 (V-wise m·(4 − 2[first] − 2[last]): rank p−1 turns in memory).
 """
 from importlib import import_module
 
