@@ -275,7 +275,8 @@ class P2P:
     def group_names(self) -> dict:
         """id(group) -> name, for the communication meter."""
         suffix = "_return" if self.v_shape else "_wrap"
-        return {id(g): f"pp_{kind}" + (suffix if descends else "") for (kind, descends), g in self.groups.items()}
+        return {id(g): f"pp_{kind}" + (suffix if descends else "")
+                for (kind, descends), g in self.groups.items()}
 
     def finish(self):
         """Wait for every send of the step (their buffers may be freed afterwards)."""

@@ -68,7 +68,8 @@ def replay(events, p: int, chunks: int = 1, v_shape: bool = False, pairs: bool =
     F&B): an F followed on its rank by a whole B runs with it as one unit, which starts when both
     inputs are there and hands both outputs on at its end (overlapped on a GPU, DeepSeek-V3 §3.2.1)."""
     split = {(e.rank, e.micro, e.chunk) for e in events if e.op == "W"}
-    length = {e: (2 if e.op == "B" and (e.rank, e.micro, e.chunk) not in split else 1) / chunks for e in events}
+    length = {e: (2 if e.op == "B" and (e.rank, e.micro, e.chunk) not in split else 1) / chunks
+              for e in events}
     queues = {r: sorted((e for e in events if e.rank == r), key=lambda e: e.start) for r in range(p)}
     done, free, replayed = {}, [0.0] * p, []
     while any(queues.values()):
@@ -137,9 +138,9 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1, v_shape: 
     colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
     passes = max(sum(e.rank == r for e in events) for r in range(p))      # V schedules: 6m boxes a row
     fig, axes = plt.subplots(2, 1, figsize=(max(10, passes / 4), 0.8 * p + 2.2), dpi=80)
+    ideal = "the same order replayed with ideal times (t_F = 1)" + (", F&B pairs as units" if pairs else "")
     panels = ((axes[0], events, 1e3, "executed: wall-clock time (ms)"),
-              (axes[1], replay(events, p, chunks, v_shape, pairs), 1,
-               "the same order replayed with ideal times (t_F = 1)" + (", F&B pairs as one unit" if pairs else "")))
+              (axes[1], replay(events, p, chunks, v_shape, pairs), 1, ideal))
     for ax, panel, scale, xlabel in panels:
         t0 = min(e.start for e in panel)
         for e in panel:

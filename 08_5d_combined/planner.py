@@ -77,7 +77,8 @@ def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed
 
 def loss_stage(layout: Layout) -> int:
     """The pp stage holding the last layers, the head and the loss: p − 1, or 0 for the V-shaped schedules."""
-    return pipeline.rank_of_block(layout.pp * layout.chunks - 1, layout.pp, layout.schedule in pipeline.V_SHAPED)
+    v_shape = layout.schedule in pipeline.V_SHAPED
+    return pipeline.rank_of_block(layout.pp * layout.chunks - 1, layout.pp, v_shape)
 
 
 def stage_parameters(config, layout: Layout, stage: int):

@@ -73,7 +73,8 @@ layout_rules = import_module("08_5d_combined.layout")
 planner = import_module("08_5d_combined.planner")
 
 STEPS = 2
-GROUPS = {"tp": {"tp"}, "cp": {"cp"}, "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap", "pp_F_return", "pp_B_return"},
+GROUPS = {"tp": {"tp"}, "cp": {"cp"},
+          "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap", "pp_F_return", "pp_B_return"},
           "dp": {"cp_dp", "dp", "expert_dp"}, "ep": {"ep"}}
 
 
@@ -204,7 +205,8 @@ FOUR_RANKS = {
                                         ZERO1_CHECKPOINTS, "--checkpoint-every", 1, mbs=2, grad_acc=2),
     "zero1-cp2-dp2-resumed": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
                                     ZERO1_CHECKPOINTS, "--resume", mbs=2, grad_acc=2),
-    "tp2-pp2-dualpipev": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2, grad_acc=4),
+    "tp2-pp2-dualpipev": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
+                                grad_acc=4),
     "dp2-pp2-zbv": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-v", "--pp-chunks", 2, grad_acc=3),
     "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
                                         "--zero-stage", 1, grad_acc=4),

@@ -4,7 +4,8 @@ Whole-model checks (real gloo ranks; one spawn per world runs several flag sets 
 checked in its own test):
 losses of every step and the final parameters equal 01's for the same global batch
 (dp·mbs·grad_acc), for pp 2 and 4, m from p to 2p+1, afab / 1f1b / interleaved (V = 1, 2) / zb-h1,
-the V-shaped zb-v (pp 2 with m 2 and 5, pp 4 with m 4) and dualpipev (pp 2, m 4; pp 4, m 8), and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
+the V-shaped zb-v (pp 2 with m 2 and 5, pp 4 with m 4) and dualpipev (pp 2, m 4; pp 4, m 8), and
+dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
 gradient norm is summed per stage and then across stages, dp averages are summed in another order and
 ZB-H1 computes dW in its own W pass (06's zero_bubble.py), so results differ by float32 rounding (~1e-7
 relative); after 2 AdamW steps (whose update ~ lr·g/|g| amplifies rounding for tiny g) parameters
@@ -90,7 +91,7 @@ def _check(flag_set, runs):
         if v_shape:       # what ran is the schedule's order (its I is a B whose W runs apart)
             order = v_schedules.ORDERS[schedule](p, rank, m)
             assert [(e.op, e.micro, e.chunk) for e in events if e.rank == rank] == \
-                [("B" if op == "I" else op, micro, chunk) for op, micro, chunk in order], f"{what}, rank {rank}"
+                [("B" if op == "I" else op, i, chunk) for op, i, chunk in order], f"{what}, rank {rank}"
         else:
             assert ops.count("W") == (m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
     replayed = timeline.replayed_bubble(events, p, V, v_shape, pairs)
@@ -114,7 +115,8 @@ PP4 = dict([_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
             _flags(4, "zb-v", 4, chunks=2, layers=8), _flags(4, "dualpipev", 8, chunks=2, layers=8)])
 PP2 = dict([_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2),
             _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2),
-            _flags(2, "zb-v", 2, chunks=2), _flags(2, "zb-v", 5, chunks=2), _flags(2, "dualpipev", 4, chunks=2)])
+            _flags(2, "zb-v", 2, chunks=2), _flags(2, "zb-v", 5, chunks=2),
+            _flags(2, "dualpipev", 4, chunks=2)])
 DP2_PP2 = dict(_flags(2, schedule, m, chunks, dp=2, dtype="float64")
                for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2)))
 
@@ -163,7 +165,8 @@ def test_dp2_pp2_matches_single_device(four_ranks, layout_id):
 
 
 def test_layer_partition_and_stage_modules():
-    """Chunk c of rank r holds block c·p + r; embedding on the first chunk, norm/head/loss on the last."""
+    """Chunk c of rank r holds block c·p + r (V-wise r and 2p−1−r); embedding on the first block,
+    norm/head/loss on the last."""
     assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1)] == [[1], [5]]
     assert [list(b) for b in pipeline.layer_blocks(16, 4, 2, 1)] == [[2, 3], [10, 11]]
     assert [list(b) for b in pipeline.layer_blocks(4, 2, 1, 1)] == [[2, 3]]
@@ -175,6 +178,15 @@ def test_layer_partition_and_stage_modules():
         stages = pipeline.build_stages(full, rank, 4, chunks=2)
         assert [s.is_first for s in stages] == [rank == 0, False]
         assert [s.is_last for s in stages] == [False, rank == 3]
+        names += [pipeline.single_device_name(n) for n, _ in stages.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())
+    # V-wise (zb-v, dualpipev): rank r holds blocks r and 2p−1−r; rank 0 the embedding and the loss
+    assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1, v_shape=True)] == [[1], [6]]
+    assert [pipeline.rank_of_block(b, 4, v_shape=True) for b in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    names = []
+    for rank in range(4):
+        stages = pipeline.build_stages(full, rank, 4, chunks=2, v_shape=True)
+        assert [(s.is_first, s.is_last) for s in stages] == [(rank == 0, False), (False, rank == 0)]
         names += [pipeline.single_device_name(n) for n, _ in stages.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in full.named_parameters())
 
@@ -206,7 +218,7 @@ def test_bad_layouts_fail_before_any_process_group(capsys):
         check(8, 4, 2, "interleaved", 2, False)
     with pytest.raises(ValueError, match=r"--pp-chunks 2 needs --pp-schedule interleaved"):
         check(8, 2, 2, "1f1b", 4, False)
-    with pytest.raises(ValueError, match=r"--pp-schedule zb-v places two chunks per rank V-wise: pass --pp-chunks 2"):
+    with pytest.raises(ValueError, match=r"zb-v places two chunks per rank V-wise: pass --pp-chunks 2"):
         check(8, 2, 1, "zb-v", 4, False)
     with pytest.raises(ValueError, match=r"dualpipev schedule needs --grad-acc .* at least 2·pp = 8, got 6"):
         check(8, 4, 2, "dualpipev", 6, False)

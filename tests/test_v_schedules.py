@@ -63,8 +63,8 @@ def test_orders_match_torch_pipelining(schedule):
 
 def _events(schedule, p, m):
     """The order of every rank as timeline Events in order (I recorded as a B whose W runs apart)."""
-    return [schedules.Event(rank, "B" if op == "I" else op, micro, chunk, k, k + 1)
-            for rank in range(p) for k, (op, micro, chunk) in enumerate(v_schedules.ORDERS[schedule](p, rank, m))]
+    return [schedules.Event(rank, "B" if op == "I" else op, micro, chunk, k, k + 1) for rank in range(p)
+            for k, (op, micro, chunk) in enumerate(v_schedules.ORDERS[schedule](p, rank, m))]
 
 
 def _idle(replayed, p, own_span=False):
@@ -108,9 +108,11 @@ def test_replayed_bubbles_and_peaks_match_the_papers():
             paired = timeline.replay(events, p, 2, v_shape=True, pairs=True)
             f_and_b, b, w = 3 * t, 2 * t, t                # the pair F + B, a whole backward, a W
             assert _idle(paired, p) == [(p - 1) * (f_and_b + b - 3 * w)] * p, (p, m)   # DeepSeek-V3 Table 2
-            assert timeline.measured_bubble(paired) == pytest.approx(timeline.theory_bubble("dualpipev", p, m, 2))
+            theory = timeline.theory_bubble("dualpipev", p, m, 2)
+            assert timeline.measured_bubble(paired) == pytest.approx(theory)
             assert _idle(timeline.replay(events, p, 2, v_shape=True), p) == [(p - 1) * t] * p   # unpaired
             for rank in range(p):
                 assert _peak(v_schedules.dualpipev_order(p, rank, m)) == 2 * p + 1 == \
                     schedules.peak_held("dualpipev", p, rank, m, 2)
-    assert timeline.theory_bubble("zb-v", 4, 8, 2) == 3 / 48 and timeline.theory_bubble("dualpipev", 4, 8, 2) == 3 / 24
+    assert timeline.theory_bubble("zb-v", 4, 8, 2) == 3 / 48
+    assert timeline.theory_bubble("dualpipev", 4, 8, 2) == 3 / 24
