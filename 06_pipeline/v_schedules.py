@@ -24,7 +24,7 @@ from collections import Counter
 
 
 def zb_v_order(p: int, rank: int, m: int) -> list:
-    """ZB-V (ZB paper §6, its Fig. 8): every B is an input gradient, its W follows at once in the
+    """ZB-V (ZB paper §6): every B is an input gradient, its W follows at once in the
     steady state and fills the cool-down at the end."""
     n = max(m, 2 * p - 1)               # the pattern fills with 2p − 1 micro-batches; extra ones dropped
     order, counts = [], Counter()
