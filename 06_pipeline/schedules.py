@@ -11,6 +11,7 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
     interleaved   (p−1)/(V·m)      (chunks are V× shorter)  ≈ p per chunk; m must be a multiple of p
     zb-h1         (p−1)(t_F+t_B−t_W)/(m(t_F+t_B+t_W))        p  (ZB paper §3.1, "ZB-H1")
                   = (p−1)/(3m) for t_F = t_B = t_W
+    zb-v, dualpipev  two chunks per rank placed V-wise: v_schedules.py
 
 Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
 on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
@@ -30,6 +31,8 @@ import torch
 
 pipeline = import_module("06_pipeline.pipeline")
 zero_bubble = import_module("06_pipeline.zero_bubble")
+v_schedules = import_module("06_pipeline.v_schedules")
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")        # schedules whose B leaves dW to a W pass
 
 
 @dataclass(frozen=True)
@@ -105,19 +108,23 @@ class Pipeline:
     """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
     chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
 
-    split_backward (ZB-H1): the linear layers' dW is split off the backward (zero_bubble.py) into
-    `weight_store`, which this pipeline owns; `backward_input` and `backward_weight` run the halves.
+    split_backward (ZB-H1, ZB-V, DualPipeV): the linear layers' dW can be split off the backward
+    (zero_bubble.py) into `weight_store`, which this pipeline owns; `backward_input` and
+    `backward_weight` run the halves, `backward` still runs both at once.
 
     grad_sync (08): every pass runs inside `grad_sync.forward(chunk)` or `grad_sync.backward(chunk,
-    final)`. A chunk gets one B (and, split, one W) per micro-batch, so the pipeline counts them: `final`
-    is True on the chunk's m-th pass of that kind, after which the gradients that kind of pass adds to
-    (W: the split linears', B: the others') are complete for the step, whatever the schedule's order.
-    Data parallelism reduces them then (02's `no_sync` on the other passes; 08's gradient_sync.py)."""
+    final)`. A chunk gets one B and, split, one W per micro-batch (a whole backward counts as both), so
+    the pipeline counts them: `final` is True on the pass that completes the chunk's m-th of every kind
+    it does, after which the gradients it adds to (W: the split linears', B: the others') are complete
+    for the step, whatever the schedule's order. Data parallelism reduces them then (02's `no_sync` on
+    the other passes; 08's gradient_sync.py; what no final pass reduced, finish_gradients does)."""
 
     def __init__(self, stages, p2p, clock=None, split_backward=False, grad_sync=None):
         self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
         self.grad_sync = grad_sync or NoGradientSync()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
+        # the pp rank of the last block, which computes the loss: p − 1, or 0 V-wise
+        self.loss_rank = pipeline.rank_of_block(self.p * self.chunks - 1, self.p, p2p.v_shape)
         self.events, self.peak_held = [], 0
         self.weight_store = zero_bubble.WeightGradStore() if split_backward else None
         if split_backward:
@@ -169,7 +176,9 @@ class Pipeline:
         stage = self.stages[chunk]
         x, out = self.saved.pop((micro, chunk))
         dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
-        with self.grad_sync.backward(chunk, final=self._final("B", chunk)):  # the last B: DP may reduce
+        whole = self.weight_store is not None and self.weight_store.collecting is None   # B and W at once
+        final = all([self._final(kind, chunk) for kind in ("B", "W")[:1 + whole]])     # count each kind
+        with self.grad_sync.backward(chunk, final=final):                   # the last: DP may reduce
             self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
         if x is not None:
             self.p2p.send_backward(x.grad, micro, chunk)
@@ -297,6 +306,8 @@ def train_step_zb_h1(pipe, micro_batches):
 
 def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
     """Micro-batches (per chunk) whose activations a rank holds at its peak, by the schedules above."""
+    if schedule in v_schedules.ORDERS:
+        return v_schedules.peak_held(schedule, p, rank, m)
     if schedule == "afab":
         return m
     if schedule == "1f1b":
@@ -308,4 +319,5 @@ def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
 
 
 SCHEDULE_STEPS = {"afab": train_step_afab, "1f1b": train_step_1f1b,
-                  "interleaved": train_step_interleaved, "zb-h1": train_step_zb_h1}
+                  "interleaved": train_step_interleaved, "zb-h1": train_step_zb_h1,
+                  "zb-v": v_schedules.train_step_zb_v, "dualpipev": v_schedules.train_step_dualpipev}

@@ -5,7 +5,7 @@ layouts the trainer refuses. `parallelize` applies the earlier folders' transfor
 model, in this order (each needs the previous one's result):
 
     2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
-    3. CP           --cp/--cp-layout/--cp-attn (05): ring attention (or Ulysses) replaces the core
+    3. CP           --cp/--cp-layout/--cp-attn (05): the ring (all-gather K/V, Ulysses) replaces the core
        MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
@@ -34,7 +34,7 @@ def build_parser(description):
     process_grid.add_degree_arguments(parser, "dp", "pp", "cp", "tp", "ep")
     sequence_layout.add_arguments(parser)                 # --sp --cp-layout --cp-attn
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
-    moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef
+    moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
     gradient_sync.add_arguments(parser)                   # --dp-mode --bucket-mb --zero-stage
     return parser
 
@@ -63,6 +63,7 @@ def parallelize(full, args, grid, device):
         experts.apply_experts(full, args, grid)
     positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(
         grid.cp_rank, args.seq_len, device)                                  # (T/cp,) this rank's tokens
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions,   # 4. PP
+                                   v_shape=args.pp_schedule in pipeline.V_SHAPED)
     recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
     return stages

@@ -64,8 +64,8 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
     if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
-                                   grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
+                                   grid.pp_group, grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
 
 
 def state_bytes(stages, optimizer, shards):
@@ -129,9 +129,10 @@ def run(args, config, dataset, grid):
     optimizer = optim.make_optimizer(sync.shards, args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device)     # (mbs, T/cp[/tp], C)
-    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
-                              split_backward=args.pp_schedule == "zb-h1", grad_sync=sync)
+                       args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
+                       v_shape=args.pp_schedule in pipeline.V_SHAPED)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
+                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,
@@ -141,7 +142,7 @@ def run(args, config, dataset, grid):
         print_grid(args, grid, config)
     flops = metrics.flops_per_token(config, args.seq_len)
     if args.num_experts:                                   # MFU: the k experts a token uses (07)
-        flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k)
+        flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k, args.shared_experts)
     checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                          "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
                          "num_experts": args.num_experts, "zero_stage": args.zero_stage}
