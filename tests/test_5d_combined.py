@@ -20,7 +20,7 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
              every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
              with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
-             with zb-h1, ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
+             with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
              experts (expert units reduced after the schedule); each also shows its reduction ran inside
              the schedule (`_check_in_backward`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
@@ -255,6 +255,8 @@ FOUR_RANKS = {
     "bucket-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
                                          "--dp-mode", "bucket", "--bucket-mb", 0.02, grad_acc=4),
     "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
+    "zero2-dp2-pp2-dualpipev": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
+                                      "--zero-stage", 2, grad_acc=4),
     "zero3-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
                                         "--zero-stage", 3, grad_acc=4),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
