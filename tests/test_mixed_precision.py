@@ -1,0 +1,83 @@
+"""Mixed precision (01_single_gpu/mixed_precision.py, 03's ZeRO over it): loss scaling, the layouts' bytes.
+
+Compared: fp16's dynamic loss scaling against its rule (an overflowing step changes nothing and halves S,
+--loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
+tensor, against the memory table printed before training and the playbook's 16 and 20 bytes per parameter
+(08's planner's "mixed" rows are the same numbers); bf16 training against fp32 (close: bf16 rounding);
+and ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring).
+"""
+import json
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
+train = import_module("01_single_gpu.train")
+planner = import_module("08_5d_combined.planner")
+
+LAYOUTS = {"autocast": ("bfloat16", "autocast"), "bf16-16": ("bfloat16", "bf16-16"),
+           "bf16-20": ("bfloat16", "bf16-20"), "fp32": ("float32", "autocast")}
+
+
+def test_loss_scaler_backs_off_and_grows():
+    scaler = mixed_precision.LossScaler(1024.0, window=3)
+    seen = []
+    for overflow in (True, False, False, False, False, True, False):
+        scaler.update(overflow)
+        seen.append(scaler.scale)
+    assert seen == [512, 512, 512, 1024, 1024, 512, 512]
+
+
+def test_fp16_overflow_is_skipped_logged_and_the_scale_follows_its_rule(tmp_path):
+    """--dtype float16 from S = 2^15 with --loss-scale-window 2: two finite steps double S (2^16, then 2^17);
+    step 5's backward overflows fp16 at 2^17 (found by running it: the data of step 5 has larger gradients),
+    so it is skipped and logged, its norm is inf (null in the log), and S halves. A run whose only step
+    overflows (S = 2^20) ends with exactly the initial parameters: the skipped step changed nothing."""
+    log = tmp_path / "fp16.jsonl"
+    train.main(common.argv("--loss-scale-init", 2.0 ** 15, "--loss-scale-window", 2, "--json-log", log,
+                           steps=6, dtype="float16"))
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["loss_scale"] for r in logged] == [2.0 ** k for k in (15, 15, 16, 16, 17, 16)]
+    assert [r.get("skipped", False) for r in logged] == [False] * 4 + [True, False]
+    assert logged[4]["grad_norm"] is None and all(r["grad_norm"] is not None for r in logged[5:])
+    argv = common.argv("--loss-scale-init", 2.0 ** 20, steps=1, dtype="float16")
+    records, skipped = train.main(argv)
+    assert records[0].get("skipped")
+    args, config, _ = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
+    initial = build.materialize(build.build_model(args, config), args)
+    for (name, p), q in zip(skipped.named_parameters(), initial.parameters()):
+        assert torch.equal(p, q), name
+
+
+def _layout_states(layout):
+    """The memory table's numbers before training, and what the rank holds after two steps."""
+    dtype, precision = LAYOUTS[layout]
+    argv = common.argv("--precision-layout", precision, steps=2, grad_acc=2, dtype=dtype)
+    args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
+    model = build.materialize(build.build_model(args, config), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
+    report = memory.memory_report(model.parameters(), optimizer, activations=0)
+    sampler = import_module("01_single_gpu.data").GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
+    for step in range(2):
+        train.train_step(model, optimizer, [sampler.micro_batch(step, m) for m in range(2)], args)
+    return report, memory.held_state_bytes(model.parameters(), optimizer)
+
+
+@pytest.mark.parametrize("layout,total,planned", [("autocast", 16, "fp32"), ("bf16-16", 16, "mixed"),
+                                                   ("bf16-20", 20, "mixed-fp32-grads"), ("fp32", 16, "fp32")])
+def test_memory_table_is_what_the_rank_holds(layout, total, planned):
+    """The table printed before the first step (parameters, gradients, fp32 accumulators, fp32 masters,
+    AdamW's moments) equals, byte for byte, the tensors held after two steps of grad_acc 2; per parameter
+    that is the playbook's 16 (bf16 2 + 2 + master 4 + Adam 8; fp32 4 + 4 + 8) or 20 (+ the fp32
+    accumulation buffer 4), split exactly as 08's planner's row for the same precision."""
+    report, held = _layout_states(layout)
+    assert held == dict(parameters=report.parameters, gradients=report.gradients, master=report.master,
+                        accumulation=report.accumulation, optimizer=report.optimizer)
+    assert sum(report.per_parameter()) == total
+    assert report.per_parameter() == planner.model_states(1, 1, 0, planned)
