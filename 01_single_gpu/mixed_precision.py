@@ -179,7 +179,9 @@ class MixedPrecisionOptimizer:
         if not overflow:
             copies = self.masters is not self.params and not self.hooked
             for p, m in zip(self.params, self.masters) if copies else []:   # bf16-16: an fp32 copy for
-                m.grad = None if p.grad is None else p.grad.to(m.dtype)     # the step (an alias if fp32)
+                grad = getattr(p, "main_grad", None)                        # the step; ZeRO's fp32 buffer
+                grad = p.grad if grad is None else grad                     # (bf16-20): an alias
+                m.grad = None if grad is None else grad.to(m.dtype)
             self.optimizer.step()
             for p, m in zip(self.params, self.masters) if self.masters is not self.params else []:
                 p.copy_(m)                                                  # rounded to the weights' dtype

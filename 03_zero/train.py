@@ -24,8 +24,8 @@ build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -41,11 +41,12 @@ def train_step(model, optimizer, micro_batches, zero, grid, args):
     with build.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                    # x, y: (mbs, T), this rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)
-            micro_loss.backward()                     # 2-3: units reduce-scattered as their grads complete;
+            optimizer.scale(micro_loss).backward()    # 2-3: units reduce-scattered as their grads complete;
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
-    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖²
-    optimizer.step()                                  # AdamW on this rank's 1/N of the states
+    optimizer.unscale_gradients()                     # fp16: the shards' gradients ÷ S
+    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: fp16 overflow)
+    optimizer.step(grad_norm)                         # AdamW on this rank's 1/N of the states (fp32 masters)
     zero.gather_shards()                              # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
@@ -54,6 +55,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp")
     zero_mod.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -61,15 +63,18 @@ def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
     zero_mod.check_zero(args)
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
     """Returns (records, the ZeRO object, model, optimizer, meter)."""
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
+    precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
-                         source=build.source(model, args))  # stage 3: only this rank's shard ever exists
-    optimizer = optim.make_optimizer(zero.shards, args)
+                         source=build.source(model, args),  # stage 3: only this rank's shard ever exists
+                         grad_dtype=precision.accumulation)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(zero.shards, args, accumulate=False)  # fp32 master shards
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
@@ -84,9 +89,12 @@ def run(args, config, dataset, grid):
                           steps=len(records)))
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)
-        report = memory.MemoryReport(params, grads, states, activations)
-        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size})"))
-        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+        report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
+                                     layout=precision.name)
+        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}; optimizer "
+                           f"states include fp32 masters, gradients the accumulation buffers)"))
+        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
+                                                 sum(p.numel() for p in model.parameters()))
         print("  ZeRO paper: " + ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
                                            zip(("parameters", "gradients", "optimizer states"), expected)))
     return records, zero, model, optimizer, meter

@@ -81,3 +81,61 @@ def test_memory_table_is_what_the_rank_holds(layout, total, planned):
                         accumulation=report.accumulation, optimizer=report.optimizer)
     assert sum(report.per_parameter()) == total
     assert report.per_parameter() == planner.model_states(1, 1, 0, planned)
+
+
+# ======================================================================================
+# ZeRO (03) over the bf16 layouts: dp 2 against 01's run of the same layout
+# ======================================================================================
+# every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
+# fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
+ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1), "bf16-20-zero3": ("bf16-20", 3)}
+
+
+def _zero_layout(layout_and_stage):
+    layout, stage = layout_and_stage
+    import torch.distributed as dist
+    zero_mod = import_module("03_zero.zero")
+    records, zero, model, optimizer, _ = import_module("03_zero.train").main(common.argv(
+        "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
+        steps=2, mbs=1, dtype="bfloat16"))
+    return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model),
+                held=zero.model_state_bytes(model, optimizer),
+                expected=zero_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
+                                                       optimizer.layout, sum(p.numel() for p in model.parameters())))
+
+
+@pytest.fixture(scope="module")
+def zero_dp2():
+    from harness import run_layouts
+    return run_layouts(_zero_layout, ZERO_RUNS, 2)
+
+
+@pytest.fixture(scope="module")
+def single_device_layouts():
+    """01 with mbs 1 × grad_acc 2 in each layout: (losses, final state)."""
+    out = {}
+    for layout in ("bf16-16", "bf16-20"):
+        records, model = train.main(common.argv("--precision-layout", layout, "--grad-clip", 0, steps=2, mbs=1,
+                                                grad_acc=2, dtype="bfloat16"))
+        out[layout] = [r["loss"] for r in records], model.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("run", ZERO_RUNS)
+def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single_device_layouts, run):
+    """ZeRO-1/2/3, dp 2 × mbs 1, bf16-16 and bf16-20, == 01 with mbs 1 × grad_acc 2 in the same layout:
+    losses and final bf16 parameters bitwise. Why equal, not close: each rank's micro-batch gradient is
+    computed exactly as 01 computes that micro-batch's (the same rows, mbs 1; 01's 1/grad_acc is a power
+    of two, which commutes with rounding); two addends sum to the same correctly rounded number in any
+    order (bf16-16: bf16, in autograd or in the reduce-scatter; bf16-20: fp32); AdamW is elementwise on
+    the fp32 masters. --grad-clip 0 because the norms are summed in different orders (the ZeRO tests
+    bound that). The memory held per rank is zero.py's formula for the layout, exactly."""
+    from harness import layout_results
+    layout, stage = ZERO_RUNS[run]
+    results = layout_results(zero_dp2, run)
+    losses, state = single_device_layouts[layout]
+    for rank, got in enumerate(results):
+        assert got["losses"] == losses, f"rank {rank}"
+        for name, p in state.items():
+            assert got["state"][name].dtype == torch.bfloat16 and torch.equal(got["state"][name], p), name
+        assert got["held"] == got["expected"], f"rank {rank}"
