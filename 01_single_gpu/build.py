@@ -3,9 +3,10 @@
 Every folder starts from the same model: 01's Llama built on the meta device, with the --kernels/--attn
 pieces swapped in (kernels/patch.py); each folder slices it from outside and then materialises only what
 the rank keeps (materialize.py: each parameter seeded by (--seed, its name), or read from --init-from), so
-a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed precision
-(playbook §2.1, mixed_precision.py): --dtype bfloat16/float16 run the forward and backward under autocast, over
-fp32 weights or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run everything in that type.
+a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed
+precision (playbook §2.1, mixed_precision.py): --dtype bfloat16/float16 run forward and backward under
+autocast, over fp32 weights or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run
+everything in that type.
 """
 import os
 from importlib import import_module
