@@ -63,7 +63,8 @@ def _layout_states(layout):
     model = build.materialize(build.build_model(args, config), args)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
     report = memory.memory_report(model.parameters(), optimizer, activations=0)
-    sampler = import_module("01_single_gpu.data").GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
+    data = import_module("01_single_gpu.data")
+    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
     for step in range(2):
         train.train_step(model, optimizer, [sampler.micro_batch(step, m) for m in range(2)], args)
     return report, memory.held_state_bytes(model.parameters(), optimizer)
@@ -88,7 +89,8 @@ def test_memory_table_is_what_the_rank_holds(layout, total, planned):
 # ======================================================================================
 # every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
 # fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
-ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1), "bf16-20-zero3": ("bf16-20", 3)}
+ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
+             "bf16-20-zero3": ("bf16-20", 3)}
 
 
 def _zero_layout(layout_and_stage):
@@ -98,10 +100,11 @@ def _zero_layout(layout_and_stage):
     records, zero, model, optimizer, _ = import_module("03_zero.train").main(common.argv(
         "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
         steps=2, mbs=1, dtype="bfloat16"))
+    numel = sum(p.numel() for p in model.parameters())
     return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model),
                 held=zero.model_state_bytes(model, optimizer),
                 expected=zero_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
-                                                       optimizer.layout, sum(p.numel() for p in model.parameters())))
+                                                       optimizer.layout, numel))
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +118,8 @@ def single_device_layouts():
     """01 with mbs 1 × grad_acc 2 in each layout: (losses, final state)."""
     out = {}
     for layout in ("bf16-16", "bf16-20"):
-        records, model = train.main(common.argv("--precision-layout", layout, "--grad-clip", 0, steps=2, mbs=1,
-                                                grad_acc=2, dtype="bfloat16"))
+        records, model = train.main(common.argv("--precision-layout", layout, "--grad-clip", 0, steps=2,
+                                                mbs=1, grad_acc=2, dtype="bfloat16"))
         out[layout] = [r["loss"] for r in records], model.state_dict()
     return out
 
