@@ -44,7 +44,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     start = 0
     if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
         start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
-        if hasattr(optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters AdamW steps
+        if hasattr(optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters
             optimizer.copy_masters_to_weights()
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     tokens_per_step = sampler.global_batch * args.seq_len

@@ -125,8 +125,8 @@ class MemoryReport:
         lines += [f"  {name:<24}{v / 2**20:>10.2f} MiB" for name, v in rows]
         lines.append(f"  {'total':<24}{total / 2**20:>10.2f} MiB")
         if self.numel:
-            lines.append(f"  {'model states':<24}{sum(self.per_parameter()):>10.2f} bytes per parameter (weights, gradients, optimizer: "
-                         + " + ".join(f"{v:g}" for v in self.per_parameter()) + ")")
+            lines.append(f"  {'model states':<24}{sum(self.per_parameter()):>10.2f} bytes per parameter "
+                         f"(weights, gradients, optimizer: {' + '.join(f'{v:g}' for v in self.per_parameter())})")
         if self.peak_allocated is not None:
             lines.append(f"  {'GPU allocator peak':<24}{self.peak_allocated / 2**20:>10.2f} MiB")
         return "\n".join(lines)

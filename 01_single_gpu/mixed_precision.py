@@ -44,7 +44,8 @@ class Layout:
         gradients = .grad + the accumulation buffer, optimizer = master + AdamW's two moments."""
         size = lambda dtype: torch.empty(0, dtype=dtype).element_size() if dtype else 0   # noqa: E731
         stepped = self.master or self.weights
-        return size(self.weights), size(self.weights) + size(self.accumulation), size(self.master) + 2 * size(stepped)
+        return (size(self.weights), size(self.weights) + size(self.accumulation),
+                size(self.master) + 2 * size(stepped))
 
 
 LAYOUTS = {"autocast": Layout("autocast", torch.float32, None, None),
@@ -57,9 +58,11 @@ LAYOUTS = {"autocast": Layout("autocast", torch.float32, None, None),
 def add_arguments(parser):
     g = parser.add_argument_group("mixed precision (01_single_gpu/mixed_precision.py)")
     g.add_argument("--precision-layout", choices=["autocast", "bf16-16", "bf16-20"], default="autocast",
-                   help="with --dtype bfloat16: fp32 weights under bf16 autocast, or bf16 weights and gradients "
-                        "with fp32 master weights (16 bytes/param), plus an fp32 gradient accumulation buffer (20)")
-    g.add_argument("--loss-scale-init", type=float, default=2.0 ** 16, help="--dtype float16: the first loss scale")
+                   help="with --dtype bfloat16: fp32 weights under bf16 autocast, or bf16 weights and "
+                        "gradients with fp32 master weights (16 bytes/param), plus an fp32 gradient "
+                        "accumulation buffer (20)")
+    g.add_argument("--loss-scale-init", type=float, default=2.0 ** 16,
+                   help="--dtype float16: the first loss scale")
     g.add_argument("--loss-scale-window", type=int, default=1000, metavar="N",
                    help="--dtype float16: double the loss scale after N steps without overflow")
     return g
@@ -68,8 +71,8 @@ def add_arguments(parser):
 def check_precision(args, config=None):
     """The flags' combinations that cannot work, as a ValueError naming the fix (before any process group)."""
     if args.precision_layout != "autocast" and args.dtype != "bfloat16":
-        raise ValueError(f"--precision-layout {args.precision_layout} holds bf16 weights: pass --dtype bfloat16 "
-                         f"(float16 trains under autocast with loss scaling)")
+        raise ValueError(f"--precision-layout {args.precision_layout} holds bf16 weights: pass --dtype "
+                         f"bfloat16 (float16 trains under autocast with loss scaling)")
     if not (math.isfinite(args.loss_scale_init) and args.loss_scale_init > 0):
         raise ValueError(f"--loss-scale-init must be a positive finite number, got {args.loss_scale_init}")
     if args.loss_scale_window < 1:
@@ -116,7 +119,8 @@ class MixedPrecisionOptimizer:
         self.layout, self.params = layout_of(args), [p for p in params if p.requires_grad]
         self.masters = self.params if self.layout.master is None else [self._master(p) for p in self.params]
         self.optimizer = optim.make_optimizer(self.masters, args)
-        self.scaler = LossScaler(args.loss_scale_init, args.loss_scale_window) if args.dtype == "float16" else None
+        self.scaler = (LossScaler(args.loss_scale_init, args.loss_scale_window) if args.dtype == "float16"
+                       else None)
         self.hooked = accumulate and self.layout.accumulation is not None
         if self.hooked:     # bf16-20: masters[i].grad is the fp32 accumulator of params[i] (zeroed each step)
             for p, m in zip(self.params, self.masters):
@@ -144,7 +148,7 @@ class MixedPrecisionOptimizer:
 
     @property
     def holders(self):
-        """The tensors whose .grad is the step's gradient: the accumulators' masters (bf16-20 here), else params."""
+        """The tensors whose .grad is the step's gradient: the masters of bf16-20's accumulators, else params."""
         return self.masters if self.hooked else self.params
 
     @property

@@ -54,7 +54,7 @@ def run(args, config, dataset):
     """Train on one device; returns (per-step records, trained model)."""
     model = build.materialize(build.build_model(args, config), args)      # built on meta, then given values
     recompute.apply_recompute(model, args.recompute)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # AdamW on the layout's masters
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # AdamW on fp32 masters
     activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                    build.activation_element_bytes(args), args.recompute)
     memory.print_report(model, optimizer, activations, args, config)

@@ -45,7 +45,7 @@ def train_step(model, optimizer, micro_batches, zero, grid, args):
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
     optimizer.unscale_gradients()                     # fp16: the shards' gradients ÷ S
-    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: fp16 overflow)
+    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: an overflow)
     optimizer.step(grad_norm)                         # AdamW on this rank's 1/N of the states (fp32 masters)
     zero.gather_shards()                              # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
@@ -74,7 +74,7 @@ def run(args, config, dataset, grid):
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
                          source=build.source(model, args),  # stage 3: only this rank's shard ever exists
                          grad_dtype=precision.accumulation)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(zero.shards, args, accumulate=False)  # fp32 master shards
+    optimizer = mixed_precision.MixedPrecisionOptimizer(zero.shards, args, accumulate=False)  # fp32 masters
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
