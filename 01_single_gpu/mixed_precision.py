@@ -86,6 +86,14 @@ def layout_of(args) -> Layout:
     return LAYOUTS[getattr(args, "precision_layout", "autocast")]
 
 
+@torch.no_grad()
+def accumulate(p, buffer):
+    """A post-accumulate-grad hook's body (bf16-20): after each micro-batch's backward, the fp32 `buffer`
+    += p's bf16 .grad, which is zeroed (its storage stays: the playbook's 2 + 4 gradient bytes)."""
+    buffer.add_(p.grad)
+    p.grad.zero_()
+
+
 class LossScaler:
     """Dynamic loss scaling (Micikevicius et al. §3.2, as torch.amp.GradScaler): S halves on an overflow
     (that step is skipped), doubles after `window` steps in a row without one."""
@@ -125,7 +133,7 @@ class MixedPrecisionOptimizer:
         if self.hooked:     # bf16-20: masters[i].grad is the fp32 accumulator of params[i] (zeroed each step)
             for p, m in zip(self.params, self.masters):
                 m.grad = torch.zeros_like(m)
-                p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m))
+                p.register_post_accumulate_grad_hook(lambda p, m=m: accumulate(p, m.grad))
         self.skipped, self.step_scale = False, None
 
     def _master(self, p):
@@ -133,13 +141,6 @@ class MixedPrecisionOptimizer:
         master.__dict__.update(p.__dict__)     # global_name, block, ZeRO's decays/segments: checkpoints
         return master
 
-    @staticmethod
-    @torch.no_grad()
-    def _accumulate(p, master):
-        """After each micro-batch's backward: fp32 += its bf16 gradient, which is zeroed (its buffer stays:
-        the playbook's 2 + 4 gradient bytes)."""
-        master.grad.add_(p.grad)
-        p.grad.zero_()
 
     def __getattr__(self, name):                # param_groups, state, register_step_pre_hook: AdamW's
         if "optimizer" not in self.__dict__:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 optim = import_module("01_single_gpu.optim")
 comm = import_module("02_data_parallel.comm")
 
@@ -160,7 +161,8 @@ class ZeRO:
                 if stage > 1:
                     p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
                 elif not unit.grad_views:   # bf16-20: each micro-batch's bf16 .grad added into fp32, zeroed
-                    p.register_post_accumulate_grad_hook(lambda p, view=view: _accumulate(p, view))
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, view=view: mixed_precision.accumulate(p, view))
             if stage == 3:
                 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
                 # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
@@ -358,12 +360,6 @@ def check_zero(args):
     if args.kernels != "torch":
         raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
                          "loss of --kernels triton bypasses: use --kernels torch")
-
-
-@torch.no_grad()
-def _accumulate(p, view):
-    view.add_(p.grad)
-    p.grad.zero_()
 
 
 def expected_state_bytes(stage, n, padded_bytes, layout=None, numel=0):

@@ -165,3 +165,15 @@ def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single
         for name, p in state.items():
             assert got["state"][name].dtype == torch.bfloat16 and torch.equal(got["state"][name], p), name
         assert got["held"] == got["expected"], f"rank {rank}"
+
+
+def test_bf16_20_resumes_bitwise_from_its_fp32_masters(single_device_layouts, tmp_path):
+    """A checkpoint stores what AdamW steps, the fp32 masters (and their moments); --resume fills them and
+    rounds them into the bf16 weights, so 1 step + resume + 1 step == 2 steps, bit for bit."""
+    flags = ("--precision-layout", "bf16-20", "--grad-clip", 0, "--checkpoint-dir", tmp_path)
+    train.main(common.argv(*flags, steps=1, mbs=1, grad_acc=2, dtype="bfloat16"))
+    records, model = train.main(common.argv(*flags, "--resume", steps=2, mbs=1, grad_acc=2, dtype="bfloat16"))
+    losses, state = single_device_layouts["bf16-20"]
+    assert [r["loss"] for r in records] == losses[1:]
+    for name, p in model.state_dict().items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, state[name]), name
