@@ -22,10 +22,9 @@ New compared with autocast alone: 16-bit weights with fp32 masters, and the loss
 """
 import math
 from dataclasses import dataclass
+from importlib import import_module
 
 import torch
-
-from importlib import import_module
 
 optim = import_module("01_single_gpu.optim")
 
@@ -120,16 +119,16 @@ class MixedPrecisionOptimizer:
         step(grad_norm)                     AdamW on the fp32 masters, copied back rounded; an fp16 overflow
                                             (a non-finite norm: every rank sees the same) skips it
     Everything else (param_groups, state, hooks) is AdamW's, so checkpoints store the fp32 masters.
-    `accumulate`: whether the fp32 accumulation happens here (01) or in the caller's buffers (03's ZeRO).
+    `hooks`: whether bf16-20's fp32 accumulation happens here (01) or in the caller's buffers (03's ZeRO).
     """
 
-    def __init__(self, params, args, accumulate: bool = True):
+    def __init__(self, params, args, hooks: bool = True):
         self.layout, self.params = layout_of(args), [p for p in params if p.requires_grad]
         self.masters = self.params if self.layout.master is None else [self._master(p) for p in self.params]
         self.optimizer = optim.make_optimizer(self.masters, args)
         self.scaler = (LossScaler(args.loss_scale_init, args.loss_scale_window) if args.dtype == "float16"
                        else None)
-        self.hooked = accumulate and self.layout.accumulation is not None
+        self.hooked = hooks and self.layout.accumulation is not None
         if self.hooked:     # bf16-20: masters[i].grad is the fp32 accumulator of params[i] (zeroed each step)
             for p, m in zip(self.params, self.masters):
                 m.grad = torch.zeros_like(m)
@@ -140,7 +139,6 @@ class MixedPrecisionOptimizer:
         master = torch.nn.Parameter(p.detach().to(self.layout.master, copy=True))
         master.__dict__.update(p.__dict__)     # global_name, block, ZeRO's decays/segments: checkpoints
         return master
-
 
     def __getattr__(self, name):                # param_groups, state, register_step_pre_hook: AdamW's
         if "optimizer" not in self.__dict__:

@@ -74,7 +74,7 @@ def run(args, config, dataset, grid):
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
                          source=build.source(model, args),  # stage 3: only this rank's shard ever exists
                          grad_dtype=precision.accumulation)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(zero.shards, args, accumulate=False)  # fp32 masters
+    optimizer = mixed_precision.MixedPrecisionOptimizer(zero.shards, args, hooks=False)  # fp32 masters
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
