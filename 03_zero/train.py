@@ -91,8 +91,8 @@ def run(args, config, dataset, grid):
                                                        build.activation_element_bytes(args), args.recompute)
         report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
                                      layout=precision.name)
-        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}; optimizer "
-                           f"states include fp32 masters, gradients the accumulation buffers)"))
+        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}; fp32 masters "
+                           f"in optimizer states, fp32 accumulation in gradients)"))
         expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
                                                  sum(p.numel() for p in model.parameters()))
         print("  ZeRO paper: " + ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
