@@ -1,7 +1,9 @@
 """Memory accounting per rank: parameters, gradients, optimizer states and activations.
 
 Playbook §2.1.1 and ZeRO §3. Model states are measured from the tensors that really exist on the
-rank (so a sharded run reports its shard); activations are estimated with the playbook's formula
+rank (so a sharded run reports its shard), in the dtypes of its precision layout (mixed_precision.py:
+bf16 weights and gradients, fp32 masters and accumulation buffers; `held_state_bytes` recounts them
+after a step, which the tests compare with the table printed before the first); activations are estimated with the playbook's formula
 (Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`, which follows what
 autograd stores for the backward pass (its peak over a training step is what the trainers print
 after their first step). On a GPU the allocator's peak is reported too.
