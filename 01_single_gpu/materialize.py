@@ -77,7 +77,7 @@ class Initializer:
             prefix, rest = source.split(".mlp.experts.", 1)
             source = f"{prefix}.mlp.{rest.split('.', 1)[1]}"
         if source not in self.files:
-            if name.endswith(".mlp.gate.weight"):                       # a dense checkpoint has no router
+            if name.endswith(".mlp.gate.weight") or ".mlp.shared_experts." in name:   # nor router nor shared
                 full = torch.empty(block.shape).normal_(0.0, self.std, generator=generator_for(self.seed, name))
                 return full[index].clone()
             raise ValueError(f"--init-from has no weight {source!r} (the model's {name})")

@@ -330,14 +330,19 @@ class ZeRO:
         return state
 
     def model_state_bytes(self, model, optimizer):
-        """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages), split
-        as 08's planner splits them: a mixed-precision optimizer's fp32 masters count as optimizer states."""
+        """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages) on the
+        compute device: the states the optimizer keeps for the shards (none once offloaded), and a mixed-
+        precision optimizer's fp32 masters of them with their states (optimizer states, as 08's planner
+        counts them)."""
         params = storage_bytes([*model.parameters(), *self.shards])
         grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
-        masters = [p for group in optimizer.param_groups for p in group["params"]
-                   if p.untyped_storage().data_ptr() not in {s.untyped_storage().data_ptr() for s in self.shards}]
-        return params, grads, memory.optimizer_state_bytes(optimizer) + storage_bytes(masters)
+        stepped = list(self.shards)
+        if getattr(optimizer, "masters", None) is not getattr(optimizer, "params", None):   # bf16-16/20
+            stepped += optimizer.masters
+        states = memory.tensor_bytes(v for p in stepped for v in optimizer.state.get(p, {}).values()
+                                     if torch.is_tensor(v) and v.dim() > 0)
+        return params, grads, states + storage_bytes(stepped[len(self.shards):])
 
 
 # ======================================================================================

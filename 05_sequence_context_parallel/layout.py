@@ -5,7 +5,8 @@ parallelism the same way:
 
     --sp         sequence_parallel.py: 04's TP with the norm regions sharded along T (needs --tp 2+)
     --cp-layout  context_parallel.py: which chunks of every sequence each cp rank holds
-    --cp-attn    ring (context_parallel.py) or ulysses (ulysses.py) attention across the cp ranks
+    --cp-attn    ring (context_parallel.py), allgather (allgather_kv.py) or ulysses (ulysses.py) attention
+                 across the cp ranks
 
 `check_sequence_layout` raises every rule's error before any process group exists; `parallelize`
 applies the transforms to the seeded full model in place and returns the norm weights whose gradients
@@ -20,6 +21,8 @@ tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
 ulysses = import_module("05_sequence_context_parallel.ulysses")
+allgather_kv = import_module("05_sequence_context_parallel.allgather_kv")
+CP_ATTENTION = ("ring", "allgather", "ulysses")
 
 
 def add_arguments(parser):
@@ -29,8 +32,8 @@ def add_arguments(parser):
                    help="sequence parallelism in the norm regions (needs --tp 2+)")
     g.add_argument("--cp-layout", choices=context_parallel.LAYOUTS, default="zigzag",
                    help="which chunks of the sequence each cp rank holds")
-    g.add_argument("--cp-attn", choices=["ring", "ulysses"], default="ring",
-                   help="attention across the cp ranks: K/V ring or all-to-all over heads")
+    g.add_argument("--cp-attn", choices=CP_ATTENTION, default="ring",
+                   help="attention across the cp ranks: K/V ring, K/V all-gather, or all-to-all over heads")
     return g
 
 
@@ -39,10 +42,10 @@ def check_sequence_layout(args, config):
     context_parallel.check_context_parallel(args.seq_len, args.cp, args.cp_layout)
     if args.sp:
         sequence_parallel.check_sequence_parallel(args.tp, args.seq_len // args.cp)
-    if args.cp > 1 and args.cp_attn == "ring" and args.attn != "sdpa":
-        raise ValueError(f"--cp-attn ring computes attention block by block itself, so --attn {args.attn} "
-                         "would be ignored: drop --attn, or use --cp-attn ulysses (which wraps the --attn "
-                         "core)")
+    if args.cp > 1 and args.cp_attn in ("ring", "allgather") and args.attn != "sdpa":
+        raise ValueError(f"--cp-attn {args.cp_attn} computes attention block by block itself, so --attn "
+                         f"{args.attn} would be ignored: drop --attn, or use --cp-attn ulysses (which wraps "
+                         "the --attn core)")
     if args.cp_attn == "ulysses":
         tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
         ulysses.check_ulysses(config.num_attention_heads // args.tp, max(1, config.num_key_value_heads // args.tp),
@@ -56,7 +59,7 @@ def parallelize(model, args, grid):
     elif grid.tp_size > 1:
         tensor_parallel.apply_tensor_parallel(model, grid)
     if grid.cp_size > 1:
-        apply = (ulysses.apply_ulysses if args.cp_attn == "ulysses"
-                 else context_parallel.apply_context_parallel)
+        apply = {"ring": context_parallel.apply_context_parallel,
+                 "allgather": allgather_kv.apply_allgather_kv, "ulysses": ulysses.apply_ulysses}[args.cp_attn]
         apply(model, context_parallel.CPLayout(args.cp_layout, grid.cp_size), grid.cp_group)
     return model

@@ -7,7 +7,8 @@ Playbook §2.4–2.5. On top of 04's tensor parallelism:
                 positions too), attention runs as a ring (context_parallel.py); activations / cp, cp−1 K/V
                 hops per layer forward. Gradients are averaged over the cp×dp ranks.
   --cp-layout   contiguous (rank r: chunk r) or zigzag (rank r: chunks r and 2cp−1−r, balanced).
-  --cp-attn     ring (default) or ulysses: all-to-all from sequence- to head-sharded and back (ulysses.py).
+  --cp-attn     ring (default), allgather (K/V all-gathered once per layer, allgather_kv.py) or ulysses:
+                all-to-all from sequence- to head-sharded and back (ulysses.py).
 The ranks form the grid arange(world).view(dp, 1, cp, tp).
 
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --tp 2 --sp --cp 2 --cp-layout zigzag

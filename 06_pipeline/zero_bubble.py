@@ -21,8 +21,10 @@ more than the layer inputs that full recomputation alone keeps).
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 
 `split_weight_gradients(stages, store)` applies it from outside: 04's parallel linears get their
-`linear_fn` swapped, every plain nn.Linear (q/k/v/o, gate/up/down, lm_head, 07's router and experts)
-its forward. New compared with 1F1B: the backward in two passes (`train_step_zb_h1` orders them).
+`linear_fn` swapped, every plain nn.Linear (q/k/v/o, gate/up/down, lm_head, 07's router and shared
+experts) its forward; 07's routed experts run as grouped matmuls on stacked weights, outside any
+nn.Linear's forward, so their weight gradients come during B. New compared with 1F1B: the backward in
+two passes (`train_step_zb_h1` orders them).
 Shape legend: N tokens (…), in / out the layer's input / output features.
 """
 import contextlib

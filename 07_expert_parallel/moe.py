@@ -5,19 +5,18 @@ Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et al. 202
 
     p = softmax(x · Wgᵀ)   (E,), in float32;   S = top-k indices of p
     w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2, Mixtral);   w_e = p_e  (k = 1, Switch: the router keeps a gradient)
-    y = Σ_{e∈S} w_e · expert_e(x)        expert_e = 01's SwiGLU MLP
+    y = Σ_{e∈S, kept} w_e · expert_e(x) + shared(x)     expert_e = 01's SwiGLU; shared: DeepSeekMoE's
+Dropless by default: the layer is an exact function of its input, so any split of the batch gives the
+same numbers. `--capacity-factor F` keeps ⌈F·T·k/E⌉ rows per expert per sequence (GShard's groups: no
+split of the batch changes which). Side losses, per sequence (no split changes them either):
 
-Dropless (no capacity factor, no dropped tokens): the layer is an exact function of its input, so any
-split of the batch gives the same numbers. Load balancing (Switch's auxiliary loss, α =
-`--aux-loss-coef`), per sequence of T tokens (DeepSeek-V3's sequence-wise loss, so that no split of
-the batch changes it):
+    aux = E · Σ_i f_i · P_i,  f_i = #{choices to i}/(T·k),  P_i = Σ_t p_i(t)/T     (Switch, α)
+    z   = mean_t logsumexp(x_t · Wgᵀ)²                                             (ST-MoE, β)
 
-    f_i = #{choices routed to i}/(T·k),   P_i = Σ_t p_i(t)/T,   aux = E · Σ_i f_i · P_i
-
-and the block returns (y, α·aux), which every layer returns and the model adds to the task loss. Under
-08's context parallelism `stats_group` sums the statistics over the cp ranks first (`SumOverRanks`).
-`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert (expert_parallel.py swaps
-in the all-to-all version). Derivations, upcycling, parameter names: 07_expert_parallel/README.md.
+and the block returns (y, α·aux + β·z), which the model adds to the task loss. Under 08's context
+parallelism `stats_group` sums aux's statistics over the cp ranks first (`SumOverRanks`).
+`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert, one batched matmul per
+projection (expert_parallel.py swaps in the all-to-all version). Derivations: this folder's README.md.
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2        # the single-device MoE
 
@@ -25,6 +24,8 @@ New compared with 01: only the MLP; attention, norms, the loop and the optimizer
 Shape legend: B batch, T sequence, C hidden, F expert intermediate size, E experts, k top-k,
 N = B·T tokens, n rows (token-choices) = N·k.
 """
+import dataclasses
+import math
 from importlib import import_module
 
 import torch
@@ -38,11 +39,22 @@ modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
 def run_experts(experts, rows, counts):
     """rows (n, C) grouped by expert, counts[e] rows for the e-th expert of the ModuleDict -> (n, C).
 
-    Every expert is called, even on zero rows, so each has a (possibly zero) gradient on every rank
-    and the gradient all-reduces line up.
+    Grouped, not a loop of small matmuls: the experts' weights are stacked, (E, F, C) and (E, C, F), and
+    the groups padded to the largest, (E, M, C), so each projection is one batched matmul (padding rows
+    are zeros: they add nothing to the outputs kept or to any gradient). Every expert's weights enter the
+    stack, even with zero rows, so each has a (possibly zero) gradient on every rank and the gradient
+    all-reduces line up. The stacks are copies made per call (the weights keep 01's per-expert names).
     """
-    chunks = rows.split(counts.tolist())                                   # E × (counts[e], C)
-    return torch.cat([expert(chunk) for expert, chunk in zip(experts.values(), chunks)])
+    E, (n, C) = len(counts), rows.shape
+    expert_of_row = torch.arange(E, device=rows.device).repeat_interleave(counts)      # (n,)
+    slot = torch.arange(n, device=rows.device) - (counts.cumsum(0) - counts)[expert_of_row]   # (n,) in group
+    M = int(counts.max()) if n else 0                                                  # the largest group
+    padded = rows.new_zeros(E, M, C).index_put((expert_of_row, slot), rows)           # (E, M, C)
+    mlps = list(experts.values())
+    gate, up, down = (torch.stack([getattr(mlp, name).weight for mlp in mlps])      # (E, F, C) ×2, (E, C, F)
+                      for name in ("gate_proj", "up_proj", "down_proj"))
+    hidden = mlps[0].act_fn(padded @ gate.transpose(1, 2), padded @ up.transpose(1, 2))   # (E, M, F)
+    return (hidden @ down.transpose(1, 2))[expert_of_row, slot]                        # (E, M, C) -> (n, C)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -70,6 +82,26 @@ class SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+def router_z_loss(logits):
+    """ST-MoE's z-loss (Zoph et al. 2022 §3.1): mean over tokens of logsumexp(logits)²; (B, T, E) -> ().
+    It keeps the router's logits small, where float32/bf16 softmax rounds least; ∂/∂logits = 2·lse·p/N."""
+    return logits.logsumexp(dim=-1).pow(2).mean()
+
+
+def within_capacity(chosen, capacity: int, num_experts: int):
+    """chosen (B, T, k) -> kept (B, T, k) bool: each sequence sends at most `capacity` rows to an expert.
+
+    GShard's groups (§2.2; Lepikhin et al. 2020), one group per sequence, so the rows a layout drops
+    never depend on which sequences share a rank or a micro-batch. Priority: every token's first choice
+    before any second choice (GShard's top-2 order), then position in the sequence.
+    """
+    B, T, k = chosen.shape
+    queue = chosen.transpose(1, 2).reshape(B, k * T)                         # (B, k·T): choice-major
+    onehot = torch.nn.functional.one_hot(queue, num_experts)                 # (B, k·T, E)
+    place = (onehot.cumsum(dim=1) - 1).gather(2, queue.unsqueeze(-1)).squeeze(-1)   # (B, k·T): 0, 1, …
+    return (place < capacity).view(B, k, T).transpose(1, 2)                  # (B, T, k)
+
+
 def load_balancing_loss(probs, chosen, stats_group=None):
     """Per-sequence E·Σ_i f_i·P_i, averaged over sequences. probs (B, T, E), chosen (B, T, k) -> ().
 
@@ -94,12 +126,19 @@ class MoE(nn.Module):
     """Router + E experts; a drop-in for a DecoderLayer's `mlp`: (B, T, C) -> ((B, T, C), α·aux), the
     layer's output and its α-weighted load-balancing loss, which the model adds to the task loss."""
 
-    def __init__(self, config, num_experts: int, top_k: int, aux_loss_coef: float = 0.0):
+    def __init__(self, config, num_experts: int, top_k: int, aux_loss_coef: float = 0.0,
+                 shared_experts: int = 0, capacity_factor: float = 0.0, router_z_loss: float = 0.0):
         super().__init__()
         self.top_k, self.num_experts, self.aux_loss_coef = top_k, num_experts, aux_loss_coef
+        self.capacity_factor, self.router_z_loss = capacity_factor, router_z_loss
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)    # the router
         # A dict keyed by the global expert index: under EP a rank keeps a few, under their global names.
         self.experts = nn.ModuleDict({str(e): modeling.MLP(config) for e in range(num_experts)})
+        # DeepSeekMoE's shared experts: N SwiGLUs every token passes through, as one MLP of N·F (the sum of
+        # N SwiGLUs is one SwiGLU over their concatenated intermediates). Dense: replicated, averaged over dp.
+        self.shared_experts = (modeling.MLP(dataclasses.replace(
+            config, intermediate_size=shared_experts * config.intermediate_size)) if shared_experts else None)
+        self.dropped = 0                    # rows over capacity in the last forward (a statistic for the log)
         self.experts_fn = run_experts                                      # EP swaps in the all-to-all
         self.stats_group = None             # 08's cp group: the ranks that split each sequence's tokens
 
@@ -109,28 +148,43 @@ class MoE(nn.Module):
 
     @act_fn.setter
     def act_fn(self, fn):
-        for expert in self.experts.values():
+        for expert in [*self.experts.values(), *([self.shared_experts] if self.shared_experts else [])]:
             expert.act_fn = fn
+
+    def capacity(self, T: int) -> int:
+        """Rows one sequence of T tokens may send to one expert: ⌈F·T·k/E⌉ (Switch §2.2, per sequence)."""
+        return math.ceil(self.capacity_factor * T * self.top_k / self.num_experts)
 
     def forward(self, x):  # (B, T, C)
         B, T, C = x.shape
         logits = self.gate(x)                                                # (B, T, E)
-        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)  # bf16 -> fp32
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # bf16 -> fp32
+        probs = logits.softmax(dim=-1)                                       # (B, T, E)
         top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
         # (B, T, k): Mixtral's renormalised weights, Σ_k = 1; Switch's raw probability when k = 1
         weights = top_p if self.top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
-        order = expert_of_row.argsort(stable=True)                           # rows grouped by expert
-        counts = expert_of_row.bincount(minlength=self.num_experts)          # (E,)
-        rows = x.reshape(B * T, C)[order // self.top_k]                      # (n, C): each row's token
+        if self.capacity_factor:       # rows over capacity are not computed: output 0 (the residual only)
+            kept = within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
+            order = kept[expert_of_row[kept].argsort(stable=True)]          # (n_kept,) kept rows by expert
+        else:
+            order = expert_of_row.argsort(stable=True)                       # (n,) rows grouped by expert
+        self.dropped = expert_of_row.numel() - order.numel()
+        counts = expert_of_row[order].bincount(minlength=self.num_experts)   # (E,)
+        rows = x.reshape(B * T, C)[order // self.top_k]                      # (n_kept, C): each row's token
         if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls would cast anyway: cast
             rows = rows.to(torch.get_autocast_dtype(x.device.type))   # before EP ships them (bf16 bytes)
-        out = self.experts_fn(self.experts, rows, counts)                    # (n, C), grouped by expert
-        out = out[order.argsort()].view(B, T, self.top_k, C)                 # (B, T, k, C), token order
-        y = (weights.to(out.dtype).unsqueeze(-1) * out).sum(dim=2)           # (B, T, C)
-        if self.aux_loss_coef == 0:
-            return y, 0.0
-        return y, self.aux_loss_coef * load_balancing_loss(probs, chosen, self.stats_group)
+        out = self.experts_fn(self.experts, rows, counts)                    # (n_kept, C), grouped by expert
+        out = out.new_zeros(expert_of_row.numel(), C).index_copy(0, order, out)   # (n, C), token order
+        y = (weights.to(out.dtype).unsqueeze(-1) * out.view(B, T, self.top_k, C)).sum(dim=2)   # (B, T, C)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)                                   # (B, T, C), every token
+        side = 0.0
+        if self.aux_loss_coef:
+            side = self.aux_loss_coef * load_balancing_loss(probs, chosen, self.stats_group)
+        if self.router_z_loss:
+            side = side + self.router_z_loss * router_z_loss(logits)
+        return y, side
 
 
 def moe_blocks(model):
@@ -145,7 +199,8 @@ def split_parameters(model):
 
 
 @torch.no_grad()
-def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: int, upcycle: bool = False):
+def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: int, upcycle: bool = False,
+              **options):
     """Replace every layers[i].mlp of a LlamaForCausalLM by an MoE block, in place; returns the blocks.
 
     On a meta model (every trainer) the blocks are shapes only: 01's materialize.py gives each expert and
@@ -154,16 +209,17 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
     a dense checkpoint every expert starts as the layer's MLP (sparse upcycling, Komatsuzaki et al. 2022:
     exactly that MLP for k ≥ 2, whose weights sum to 1; p_e times it for k = 1, Switch's weighting). On a real
     model (the layer tests) the same values are drawn here, `upcycle=True` copying the dense MLP instead.
-    The experts inherit the MLP's act_fn (--kernels triton).
+    The experts inherit the MLP's act_fn (--kernels triton). `options`: shared_experts, capacity_factor,
+    router_z_loss (`extras(args)`); shared experts are seeded by name too (upcycling leaves them so).
     """
-    check_moe(num_experts, top_k, aux_loss_coef)
+    check_moe(num_experts, top_k, aux_loss_coef, **options)
     config = model.config
     initializer = materialize.Initializer(seed, std=config.initializer_range)
     for index, layer in enumerate(model.model.layers):
         dense = layer.mlp
         weight = dense.gate_proj.weight
         with torch.device("meta"):
-            block = MoE(config, num_experts, top_k, aux_loss_coef)
+            block = MoE(config, num_experts, top_k, aux_loss_coef, **options)
         for name, p in block.named_parameters():
             p.global_name = f"model.layers.{index}.mlp.{name}"
         if not weight.is_meta:
@@ -180,7 +236,12 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
     return moe_blocks(model)
 
 
-def check_moe(num_experts: int, top_k: int, aux_loss_coef: float):
+def check_moe(num_experts: int, top_k: int, aux_loss_coef: float, shared_experts: int = 0,
+              capacity_factor: float = 0.0, router_z_loss: float = 0.0):
+    for flag, value in (("--shared-experts", shared_experts), ("--capacity-factor", capacity_factor),
+                        ("--router-z-loss", router_z_loss)):
+        if value < 0:
+            raise ValueError(f"{flag} must be non-negative, got {value}")
     if num_experts < 1:
         raise ValueError(f"--num-experts must be at least 1, got {num_experts}")
     if not 1 <= top_k <= num_experts:
@@ -198,11 +259,31 @@ def add_arguments(parser, num_experts: int = 4):
     g.add_argument("--top-k", type=int, default=2, help="experts each token is sent to (Mixtral: 2)")
     g.add_argument("--aux-loss-coef", type=float, default=0.01,
                    help="α of the per-sequence load-balancing loss added to the cross-entropy (Switch: 0.01)")
+    g.add_argument("--shared-experts", type=int, default=0,
+                   help="experts every token passes through besides its top-k (DeepSeekMoE: 1-2)")
+    g.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="rows per expert per sequence capped at ⌈F·T·k/E⌉, the rest dropped; 0: dropless")
+    g.add_argument("--router-z-loss", type=float, default=0.0,
+                   help="β of ST-MoE's router z-loss, mean logsumexp(logits)² (ST-MoE: 0.001)")
     return g
 
 
-def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int) -> int:
-    """MFU's count for the parameters a token really uses: k experts and the router instead of one MLP,
-    (k−1)·3·C·F + C·E more matmul parameters per layer than the dense model, 6 FLOPs each."""
-    extra = (top_k - 1) * 3 * config.hidden_size * config.intermediate_size + config.hidden_size * num_experts
+def extras(args) -> dict:
+    """apply_moe's and check_moe's options from the parsed flags."""
+    return dict(shared_experts=args.shared_experts, capacity_factor=args.capacity_factor,
+                router_z_loss=args.router_z_loss)
+
+
+def dropped_rows(model) -> int:
+    """Rows (token-choices) over capacity in every MoE block's last forward."""
+    return sum(block.dropped for block in moe_blocks(model))
+
+
+def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int,
+                    shared_experts: int = 0) -> int:
+    """MFU's count for the parameters a token really uses: k experts, the shared ones and the router instead
+    of one MLP, (k+shared−1)·3·C·F + C·E more matmul parameters per layer than the dense model, 6 FLOPs
+    each (rows dropped over capacity are counted as computed: an upper bound)."""
+    extra = ((top_k + shared_experts - 1) * 3 * config.hidden_size * config.intermediate_size
+             + config.hidden_size * num_experts)
     return dense_flops_per_token + 6 * config.num_hidden_layers * extra

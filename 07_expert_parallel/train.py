@@ -1,8 +1,8 @@
 """Mixture of experts with expert parallelism (× data parallelism): 02's step on an MoE Llama.
 
 Playbook §2.7. The 01 model is built and seeded as everywhere, its MLPs are replaced by MoE blocks
-(moe.apply_moe: E seeded experts, top-k router, load-balancing loss returned by every layer) and
-expert_parallel.apply_expert_parallel keeps E/ep experts per rank and routes tokens by all-to-all.
+(moe.apply_moe: E seeded experts, top-k router, load-balancing loss returned by every layer; optional
+shared experts, capacity factor and router z-loss) and expert_parallel.apply_expert_parallel keeps E/ep experts per rank and routes tokens by all-to-all.
 `--dp D --ep P`: D data-parallel ranks, each reading 1/D of the global batch (dp·mbs·grad_acc sequences);
 every P consecutive ones split the experts (P divides D). Dense gradients are averaged over dp, expert
 gradients summed over the D/P replicas and divided by D. Per rank: expert parameters, gradients and
@@ -10,9 +10,11 @@ optimizer states 1/ep; all-to-all bytes per MoE layer and micro-batch 2·(s_out 
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2 --mbs 8          # one device: the reference
     torchrun --nproc_per_node 4 07_expert_parallel/train.py --dp 4 --ep 2 --mbs 2
+    torchrun --nproc_per_node 2 07_expert_parallel/train.py --dp 2 --ep 2 --shared-experts 1 --capacity-factor 1
 
 New in the step compared with 02: the loss includes α·aux, the experts' gradients are synchronised over
-other ranks than the dense ones (`sync_gradients`), and the norm counts each expert once.
+other ranks than the dense ones (`sync_gradients`), and the norm counts each expert once; with a
+capacity factor the rows dropped are counted per micro-batch and logged at the end.
 """
 import sys
 from pathlib import Path
@@ -21,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import b
 import functools
 import os
 from importlib import import_module
+
+import torch
+import torch.distributed as dist
 
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
@@ -36,13 +41,15 @@ moe = import_module("07_expert_parallel.moe")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
 
 
-def train_step(model, optimizer, micro_batches, dense, experts, grid, args):
-    """02's step on the MoE model; returns (global loss, gradient norm)."""
+def train_step(model, optimizer, micro_batches, dense, experts, grid, args, dropped):
+    """02's step on the MoE model; returns (global loss, gradient norm); appends this rank's rows dropped
+    over capacity to `dropped`."""
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                        # x, y: (mbs, T), this rank's rows
-            micro_loss = model(x, labels=y) / len(micro_batches)   # cross-entropy + α·Σ_layers aux
+            micro_loss = model(x, labels=y) / len(micro_batches)   # cross-entropy + α·Σ aux + β·Σ z-loss
+            dropped.append(moe.dropped_rows(model))       # read before backward (a recompute repeats forward)
             micro_loss.backward()                         # EP: the all-to-alls' backward sends gradients home
             loss += micro_loss.detach()
     expert_parallel.sync_gradients(dense, experts, grid)  # dense: mean over dp; experts: Σ expert_dp, / dp
@@ -60,7 +67,7 @@ def build_parser():
 
 def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
-    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef)
+    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef, **moe.extras(args))
     expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, ep=args.ep)
 
@@ -80,7 +87,7 @@ def expert_memory(args, config, model, ep):
 def run(args, config, dataset, grid):
     """Returns (records, model, meter). Plain `python`: one device (a world of one)."""
     model = build.build_model(args, config)                 # on meta: shapes only
-    moe.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed)
+    moe.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed, **moe.extras(args))
     if grid.ep_size > 1:
         expert_parallel.apply_expert_parallel(model, grid)  # this rank keeps E/ep experts (still shapes)
     build.materialize(model, args)                          # then they, and the dense weights, get values
@@ -95,15 +102,31 @@ def run(args, config, dataset, grid):
                             f"ep {grid.ep_size}; activations: the dense Llama's estimate)")
         print(expert_memory(args, config, model, grid.ep_size))
     flops = moe.flops_per_token(metrics.flops_per_token(config, args.seq_len), config, args.num_experts,
-                                args.top_k)
-    step = functools.partial(train_step, model, optimizer, dense=dense, experts=experts, grid=grid, args=args)
+                                args.top_k, args.shared_experts)
+    dropped = []                                            # rows over capacity, per micro-batch
+    step = functools.partial(train_step, model, optimizer, dense=dense, experts=experts, grid=grid, args=args,
+                             dropped=dropped)
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset, flops, grid=grid,
                              layout={"dp": grid.dp_size, "ep": grid.ep_size})
     if grid.rank == 0 and grid.world_size > 1 and records:
         print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
                           steps=len(records)))
+    if args.capacity_factor and records:
+        log_dropped(dropped, args, config, grid)
     return records, model, meter
+
+
+def log_dropped(dropped, args, config, grid):
+    """Rows dropped over capacity, summed over the dp ranks (after the meter: not training traffic)."""
+    total = torch.tensor(sum(dropped), dtype=torch.float64)
+    if grid.dp_size > 1:
+        dist.all_reduce(total, group=grid.dp_group)
+    rows = len(dropped) * grid.dp_size * args.mbs * args.seq_len * args.top_k * config.num_hidden_layers
+    if grid.rank == 0:
+        print(f"capacity factor {args.capacity_factor}: dropped {int(total)} of {rows} token-choices "
+              f"({float(total) / rows:.2%}) over {len(dropped) // args.grad_acc} steps, all layers")
+    return int(total)
 
 
 def main(argv=None):

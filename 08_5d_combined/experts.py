@@ -15,7 +15,8 @@ not carry over to pipeline stages, tensor and context parallelism is done here:
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are whole on every tp rank, like the norm weights (Megatron's
 expert-TP = 1). Not composed: --sp (each tp rank's block would see only its T/(cp·tp) tokens, so the
-router's and experts' gradients would be partial sums over tp). The derivations, including why
+router's and experts' gradients would be partial sums over tp), and --capacity-factor with --cp (the
+capacity is per sequence, split over the cp ranks). The derivations, including why
 SumOverRanks' backward sums: 08_5d_combined/README.md.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 \\
@@ -41,12 +42,16 @@ def check_experts(args):
             raise ValueError(f"--ep {args.ep} splits experts: it needs --num-experts "
                              f"(a multiple of {args.ep})")
         return
-    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef)
+    moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef, **moe.extras(args))
     expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
     if args.sp:
         raise ValueError("--num-experts with --sp is not supported: each tp rank's MoE block would see only "
                          "its T/tp tokens, so router and expert gradients would be partial sums over tp; "
                          "drop --sp (--tp and --cp compose with experts)")
+    if args.capacity_factor and args.cp > 1:
+        raise ValueError("--capacity-factor with --cp > 1 is not supported: the capacity is per sequence "
+                         "and each cp rank holds only T/cp of its tokens; drop --capacity-factor (dropless) "
+                         "or --cp")
     if args.init_from and args.tp > 1:
         raise ValueError("--init-from with --num-experts and --tp > 1: upcycling copies each dense MLP into "
                          "the experts, which TP keeps whole, after TP has split that MLP; upcycle with "
@@ -56,7 +61,8 @@ def check_experts(args):
 def apply_experts(full, args, grid):
     """MoE blocks in place of the (TP-split) MLPs, then 1/ep of the experts per rank; under CP, the
     load-balancing statistics summed over the cp group; returns the blocks."""
-    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed)   # on shapes
+    blocks = moe.apply_moe(full, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,   # on shapes
+                           **moe.extras(args))
     if grid.ep_size > 1:
         expert_parallel.apply_expert_parallel(full, grid)
     for block in blocks:

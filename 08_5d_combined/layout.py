@@ -5,7 +5,7 @@ layouts the trainer refuses. `parallelize` applies the earlier folders' transfor
 model, in this order (each needs the previous one's result):
 
     2. TP (+ SP)    --tp/--sp (04, 05): slices every matrix; SP shards the norm regions along T
-    3. CP           --cp/--cp-layout/--cp-attn (05): ring attention (or Ulysses) replaces the core
+    3. CP           --cp/--cp-layout/--cp-attn (05): the ring (all-gather K/V, Ulysses) replaces the core
        MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
@@ -34,7 +34,7 @@ def build_parser(description):
     process_grid.add_degree_arguments(parser, "dp", "pp", "cp", "tp", "ep")
     sequence_layout.add_arguments(parser)                 # --sp --cp-layout --cp-attn
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
-    moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef
+    moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
     parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
                         help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp "
                              "ranks (03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")

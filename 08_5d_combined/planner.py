@@ -68,6 +68,7 @@ class Layout:
     ep: int = 1
     num_experts: int = 0       # 0: dense MLPs
     top_k: int = 1
+    shared_experts: int = 0    # 07's dense shared experts, replicated like the router
     zero_stage: int = 0
     recompute: str = "none"
     precision: str = "mixed"
@@ -93,8 +94,8 @@ def stage_parameters(config, layout: Layout, stage: int):
     if gpt:                          # biases: qkv's and fc1's split with their columns, proj's, fc2's whole
         dense += layers * ((3 * h + f) // t + 2 * h)
     expert = 0
-    if layout.num_experts:       # the router (E, C) replicated; whole experts, E/ep of them (experts.py)
-        dense += layers * h * layout.num_experts
+    if layout.num_experts:       # router (E, C), shared experts replicated; whole experts, E/ep of them
+        dense += layers * (h * layout.num_experts + 3 * h * f * layout.shared_experts)
         expert = layers * 3 * h * f * layout.num_experts // layout.ep
     else:                        # gate, up (F/t, C), down (C, F/t); GPT: fc1 (F/t, C), fc2 (C, F/t)
         dense += layers * (2 if gpt else 3) * h * f // t
@@ -147,8 +148,9 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
         tp += ring(t, (2 * h * layers + h * last) * e)
     comm["tp"] = tp + scalar(t) if t > 1 else 0
     # --- context parallelism ---
-    if cp > 1 and layout.cp_attn == "ring":
-        hops = 3 * cp - 2 + (cp - 1) * (layout.recompute != "none")
+    if cp > 1 and layout.cp_attn in ("ring", "allgather"):     # K/V blocks 2·b·s_r·h_kv/t, fp32 or wider
+        hops = 3 * cp - 2 if layout.cp_attn == "ring" else 2 * (cp - 1)   # allgather_kv.py: one AG, one RS
+        hops += (cp - 1) * (layout.recompute != "none")                    # the forward's again
         comm["cp"] = m * layers * hops * 2 * tokens * max(h_kv // t, config.head_dim) * max(e, 4)
     elif cp > 1:
         passes = 2 + (layout.recompute != "none")                            # 4 all-to-alls each
@@ -225,7 +227,8 @@ def build_parser():
 def layout_of(args) -> Layout:
     return Layout(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, cp_attn=args.cp_attn, pp=args.pp,
                   schedule=args.pp_schedule, chunks=args.pp_chunks, ep=args.ep, num_experts=args.num_experts,
-                  top_k=args.top_k, zero_stage=args.zero_stage, recompute=args.recompute,
+                  top_k=args.top_k, shared_experts=args.shared_experts, zero_stage=args.zero_stage,
+                  recompute=args.recompute,
                   precision=args.precision)
 
 

@@ -149,7 +149,7 @@ def run(args, config, dataset, grid):
         print_grid(args, grid, config)
     flops = metrics.flops_per_token(config, args.seq_len)
     if args.num_experts:                                   # MFU: the k experts a token uses (07)
-        flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k)
+        flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k, args.shared_experts)
     checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                          "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
                          "num_experts": args.num_experts, "zero_stage": args.zero_stage}

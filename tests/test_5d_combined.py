@@ -197,7 +197,8 @@ FOUR_RANKS = {
                                   4),
     "cp2zigzag-pp2-full-moe": _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4,
                                      "--recompute", "full"),
-    "cp2-dp2ep2-moe": _flags("--cp", 2, "--dp", 2, "--ep", 2, "--num-experts", 4),
+    "cp2allgather-dp2ep2-moe": _flags("--cp", 2, "--cp-attn", "allgather", "--dp", 2, "--ep", 2,
+                                      "--num-experts", 4),
     "zero1-cp2-dp2-checkpoints": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
                                         ZERO1_CHECKPOINTS, "--checkpoint-every", 1, mbs=2, grad_acc=2),
     "zero1-cp2-dp2-resumed": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
@@ -282,6 +283,7 @@ def _check_layout(*flags, world):
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
     (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp is not supported: .* drop --sp"),
     (("--tp", 2, "--sp", "--cp", 2, "--num-experts", 4), 4, r"--num-experts with --sp is not supported"),
+    (("--cp", 2, "--num-experts", 4, "--capacity-factor", 1), 2, r"--capacity-factor with --cp > 1 is not supported"),
     (("--dp", 2, "--pp", 2, "--zero-stage", 2), 4, r"--zero-stage 2 is not composed in 08: .* use --zero-stage 1 "
                                                     r"here, or 03_zero/train.py --zero-stage 2/3"),
     (("--dp", 2, "--zero-stage", 3), 2, r"--zero-stage 3 is not composed in 08"),

@@ -1,13 +1,14 @@
 """05_sequence_context_parallel: sequence parallelism, ring attention, zig-zag, against 01.
 
-Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention and
-Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads) against dense causal
-attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
+Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention,
+all-gather K/V attention and Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads)
+against dense causal attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
 gradient, with SP's norm-gradient all-reduce and CP's gradient averaging applied).
 Formulas measured, not assumed: SP moves the same bytes as TP (all-reduce = reduce-scatter +
 all-gather), CP sends cp−1 K/V blocks per layer forward (cp−1 K/V + cp dK/dV backward), SP divides
 the norm-region activations by tp and changes nothing else, CP divides all activations by cp,
-zig-zag gives every rank the same number of attention tiles while contiguous does not.
+zig-zag gives every rank the same number of attention tiles while contiguous does not; all-gather K/V
+moves (cp−1) blocks each way and saves (cp−1) blocks per layer more than the ring.
 Whole runs (float32, 3 AdamW steps) equal 01 for the same global batch, with the tolerances of
 test_tensor_parallel.py (same reasons; ring attention's log-sum-exp merge rounds like SDPA's).
 """
@@ -33,6 +34,7 @@ tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
 ulysses = import_module("05_sequence_context_parallel.ulysses")
+allgather_kv = import_module("05_sequence_context_parallel.allgather_kv")
 cp_train = import_module("05_sequence_context_parallel.train")
 
 B, T, C, L, V = 2, 16, 32, 2, 64
@@ -53,7 +55,8 @@ def check_ring_attention(grid):
     upstream = torch.randn_like(out)
     out.backward(upstream)
     for kind, attn in [(kind, attn) for kind in context_parallel.LAYOUTS
-                       for attn in (context_parallel.RingAttention, ulysses.UlyssesAttention)]:
+                       for attn in (context_parallel.RingAttention, allgather_kv.AllGatherKVAttention,
+                                    ulysses.UlyssesAttention)]:
         layout = context_parallel.CPLayout(kind, grid.cp_size)
         pos = layout.positions(grid.cp_rank, T)
         mine = [_leaf(t[:, :, pos]) for t in (q, k, v)]
@@ -68,6 +71,10 @@ def check_ring_attention(grid):
             assert dict(forward.calls) == dict(backward.calls) == {("all_to_all", "cp"): 4}
             local = B * (T // 2) * 8 * (4 + 2 + 2 + 4) * 8     # b·(s/cp)·hd·(nh + 2·nkv + nh) float64
             assert forward.total_wire() == backward.total_wire() == local // 2   # (cp−1)/cp leaves
+        if attn is allgather_kv.AllGatherKVAttention:   # one block (2, B, nkv, T/cp, hd) float64 each way
+            assert dict(forward.calls) == {("all_gather", "cp"): 1}
+            assert dict(backward.calls) == {("reduce_scatter", "cp"): 1}
+            assert forward.total_wire() == backward.total_wire() == 2 * B * 2 * (T // 2) * 8 * 8
 
 
 def check_models(tp_grid, cp_grid):
@@ -165,6 +172,15 @@ def measure(tp_grid, cp_grid, solo_grid):
                 loss.backward()
             out[kind, cp, "comm"] = [(dict(m.calls), dict(m.payload)) for m in (forward, backward)]
             out[kind, cp, "batches"] = [forward_batches, backward_batches]
+    layout = context_parallel.CPLayout("zigzag", cp_grid.cp_size)        # the all-gather variant, same layout
+    model = allgather_kv.apply_allgather_kv(small_model(torch.float32), layout, cp_grid.cp_group)
+    pos = layout.positions(cp_grid.cp_rank, T)
+    out["allgather", "bytes"] = saved_bytes(model, x[:, pos], None, pos)
+    with comm.CommMeter(cp_grid.group_names()) as forward:
+        loss = model(x[:, pos], labels=y[:, pos], position_ids=pos)
+    with comm.CommMeter(cp_grid.group_names()) as backward:
+        loss.backward()
+    out["allgather", "comm"] = [(dict(m.calls), dict(m.wire)) for m in (forward, backward)]
     return out
 
 
@@ -227,6 +243,23 @@ def test_context_parallel_divides_activations_and_sends_cp_minus_1_blocks(measur
             assert result[kind, 1, "comm"] == [({}, {}), ({}, {})]    # one rank: no ring at all
 
 
+def test_allgather_kv_trades_memory_for_bytes_against_the_ring(measured):
+    """allgather_kv.py's formulas, per layer, one block = 2·b·(s/cp)·h_kv elements: wire (cp−1) blocks forward
+    (one all-gather) and (cp−1) backward (one reduce-scatter), against the ring's (cp−1) and (cp−1) + cp;
+    K/V saved for backward cp blocks against the ring's 1, so the decoder saves exactly L·(cp−1) blocks
+    more (everything else it saves is the ring's: q, out, lse and the per-token layers)."""
+    block, cp = 2 * B * (T // 2) * 2 * 8 * 4, 2          # (2, B, nkv, T/cp, hd) float32
+    for result in measured:
+        (fwd_calls, fwd_wire), (bwd_calls, bwd_wire) = result["allgather", "comm"]
+        assert fwd_calls == {("all_gather", "cp"): L} and bwd_calls == {("reduce_scatter", "cp"): L}
+        assert fwd_wire == {("all_gather", "cp"): L * (cp - 1) * block}
+        assert bwd_wire == {("reduce_scatter", "cp"): L * (cp - 1) * block}
+        (_, ring_fwd), (_, ring_bwd) = result["zigzag", cp, "comm"]
+        assert ring_fwd[("isend", "cp")] == L * (cp - 1) * block
+        assert ring_bwd[("isend", "cp")] == L * (2 * cp - 1) * block     # cp blocks more than all-gather
+        assert result["allgather", "bytes"] - result["zigzag", cp, "bytes"] == L * (cp - 1) * block
+
+
 def test_ring_posts_each_step_send_and_receive_as_one_batch(measured):
     """Every hop of ring attention is one `batch_isend_irecv` of [send to next, receive from previous]
     (with cp = 2 both are the other rank: the case NCCL deadlocks on unbatched). Forward: cp−1 hops per
@@ -250,11 +283,11 @@ def tile_counts():
         return inner(q, k, v, causal)
     context_parallel.tile_forward = counted          # in this spawned rank only
     for kind in context_parallel.LAYOUTS:
-        scores.clear()
-        attn = context_parallel.RingAttention(context_parallel.CPLayout(kind, 4), grid.cp_group)
-        q = torch.randn(1, 2, 32 // 4, 4)
-        attn(q, q[:, :1], q[:, :1])
-        counts[kind] = sum(scores)
+        q = torch.randn(1, 2, 32 // 4, 4, dtype=torch.float64)
+        for attn in (context_parallel.RingAttention, allgather_kv.AllGatherKVAttention):
+            scores.clear()
+            out = attn(context_parallel.CPLayout(kind, 4), grid.cp_group)(q, q[:, :1], q[:, :1])
+            counts[kind, attn.__name__] = (sum(scores), out)
     return counts
 
 
@@ -262,8 +295,16 @@ def test_zigzag_balances_attention_work():
     """Causal attention over 8 chunks of 4 tokens (cp 4): a rank computes the query·key scores of
     every tile on or below the diagonal. Contiguous: rank r has r+1 tiles of 8×8 (unbalanced, 64·(r+1));
     zig-zag: every rank 2cp+1 = 9 tiles of 4×4 (144 each). In total T²/2 below the diagonal plus the
-    masked half of the diagonal tiles, T·c/2 for chunks of c tokens: 512 + 128 and 512 + 64."""
-    counts = run_ranks(tile_counts, 4, timeout=120)
+    masked half of the diagonal tiles, T·c/2 for chunks of c tokens: 512 + 128 and 512 + 64. The
+    all-gather variant runs the same tiles and gives the ring's output (float64: 1e-12)."""
+    results = run_ranks(tile_counts, 4, timeout=120)
+    for kind in context_parallel.LAYOUTS:       # all-gather KV: the ring's tiles, the ring's output at cp 4
+        for rank in results:
+            names = ("RingAttention", "AllGatherKVAttention")
+            (ring_scores, ring_out), (gathered_scores, gathered_out) = (rank[kind, name] for name in names)
+            assert ring_scores == gathered_scores
+            torch.testing.assert_close(gathered_out, ring_out, **EXACT)
+    counts = [{kind: rank[kind, "RingAttention"][0] for kind in context_parallel.LAYOUTS} for rank in results]
     assert [c["contiguous"] for c in counts] == [64 * (r + 1) for r in range(4)]
     assert [c["zigzag"] for c in counts] == [16 * 9] * 4
     assert sum(c["contiguous"] for c in counts) == 32 * 32 // 2 + 32 * 8 // 2
@@ -279,7 +320,8 @@ SCP = "05_sequence_context_parallel.train"
 TWO_RANKS = {"tp2-sp": (SCP, ["--tp", "2", "--sp"]),
              "cp2-contiguous": (SCP, ["--cp", "2", "--cp-layout", "contiguous"]),
              "cp2-zigzag": (SCP, ["--cp", "2", "--cp-layout", "zigzag"]),
-             "cp2-ulysses-eager": (SCP, ["--cp", "2", "--cp-attn", "ulysses", "--attn", "eager"])}
+             "cp2-ulysses-eager": (SCP, ["--cp", "2", "--cp-attn", "ulysses", "--attn", "eager"]),
+             "cp2-allgather-zigzag": (SCP, ["--cp", "2", "--cp-attn", "allgather"])}
 FOUR_RANKS = {"cp4-contiguous": (SCP, ["--cp", "4", "--cp-layout", "contiguous"]),
               "cp4-zigzag": (SCP, ["--cp", "4", "--cp-layout", "zigzag"]),
               "tp2sp-cp2-zigzag": (SCP, ["--tp", "2", "--sp", "--cp", "2", "--cp-layout", "zigzag"]),

@@ -126,6 +126,55 @@ def test_router_learns_from_the_task_loss(k):
     torch.testing.assert_close(ours, block.gate.weight.grad, **EXACT)
 
 
+def test_router_z_loss_and_its_gradient_equal_the_hand_written_ones():
+    """ST-MoE's z-loss β·mean_t logsumexp(logits_t)², and its router gradient written out:
+    ∂/∂W = Σ_t (2β/N)·lse_t·p_t ⊗ x_t (N tokens). float64, same operations reordered: 1e-12."""
+    beta = 0.1
+    block = moe.MoE(LAYER, E, K, router_z_loss=beta).double()
+    x = layer_inputs(2)[0][1]                                                 # (2, 5, C)
+    _, side = block(x)
+    side.backward()
+    logits = (x @ block.gate.weight.T).detach()                               # (2, 5, E)
+    lse = logits.logsumexp(-1)                                                # (2, 5)
+    torch.testing.assert_close(side, beta * lse.pow(2).mean(), **EXACT)
+    d_logits = 2 * beta * lse[..., None] * logits.softmax(-1) / lse.numel()   # (2, 5, E)
+    torch.testing.assert_close(block.gate.weight.grad, torch.einsum("bte,btc->ec", d_logits, x), **EXACT)
+    assert all(p.grad is None for p in block.experts.parameters())            # z-loss touches the router only
+
+
+def test_capacity_drops_per_sequence_first_choices_first_and_shared_experts_add():
+    """within_capacity against the rule written out (per sequence: all first choices in token order, then
+    the second choices; an expert takes its first `capacity` rows); the block with a capacity and a shared
+    expert equals Σ over the kept choices of w_e·expert_e(x) + shared(x) written out, and counts its drops.
+    A capacity of T·k rows per expert drops nothing: the dropless block's numbers."""
+    chosen = torch.tensor([[[0, 1], [0, 2], [0, 1], [1, 0]], [[2, 3], [2, 3], [3, 2], [1, 0]]])   # (2, 4, 2)
+    kept = torch.zeros_like(chosen, dtype=torch.bool)
+    for b in range(2):
+        taken = [0] * E
+        for j, t in ((j, t) for j in range(2) for t in range(4)):
+            e = int(chosen[b, t, j])
+            kept[b, t, j], taken[e] = taken[e] < 2, taken[e] + 1
+    assert torch.equal(moe.within_capacity(chosen, 2, E), kept) and not kept.all()
+
+    block = moe.MoE(LAYER, E, K, capacity_factor=0.5, shared_experts=1).double()
+    x = layer_inputs(2)[0][1]                                                 # (2, 5, C)
+    probs = block.gate(x).softmax(-1)
+    top_p, top_e = probs.topk(K, dim=-1)
+    keep = moe.within_capacity(top_e, block.capacity(5), E)                  # ⌈0.5·5·2/4⌉ = 2 rows
+    expected = block.shared_experts(x).clone()
+    for b, t in ((b, t) for b in range(2) for t in range(5)):
+        for j, (p, e) in enumerate(zip(top_p[b, t] / top_p[b, t].sum(), top_e[b, t])):
+            if keep[b, t, j]:
+                expected[b, t] += p * block.experts[str(int(e))](x[b, t])
+    torch.testing.assert_close(block(x)[0], expected, **EXACT)
+    assert block.capacity(5) == 2 and block.dropped == int((~keep).sum()) > 0
+    block.capacity_factor = E                                                 # ⌈E·T·k/E⌉ = T·k: all fit
+    dropless = block(x)[0]
+    block.capacity_factor = 0.0
+    torch.testing.assert_close(dropless, block(x)[0], **EXACT)
+    assert block.dropped == 0
+
+
 def test_aux_loss_gradient_survives_full_recompute():
     """The aux loss leaves the checkpointed layer as a side output: the gradients must not change."""
     recompute = import_module("01_single_gpu.recompute")
@@ -161,6 +210,7 @@ def test_mfu_counts_the_parameters_a_token_uses():
     (["--top-k", 5], "--top-k 5 must be between 1 and --num-experts 4"),
     (["--num-experts", 0], "--num-experts must be at least 1"),
     (["--aux-loss-coef", -1], "--aux-loss-coef must be non-negative"),
+    (["--capacity-factor", -1], "--capacity-factor must be non-negative"),
     (["--dp", 2, "--ep", 2], "launch with --nproc_per_node 2"),
 ])
 def test_bad_layouts_fail_before_any_process_group(monkeypatch, capsys, flags, message):
@@ -222,10 +272,8 @@ def _whole_run(flags, mbs, grad_acc):
         routed.append(counts.clone())
         return original(experts, rows, counts, group)
     expert_parallel.expert_parallel_experts = recording   # in this spawned process only, for this run
-    try:
-        records, model, meter = train07.main(common.argv(*MOE, *flags, mbs=mbs, grad_acc=grad_acc))
-    finally:
-        expert_parallel.expert_parallel_experts = original
+    records, model, meter, dropped = _main07(flags, mbs, grad_acc)
+    expert_parallel.expert_parallel_experts = original
     counts = torch.stack(routed)                                          # (calls, E)
     gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, counts)                                     # every rank's routing, after the meter
@@ -234,7 +282,21 @@ def _whole_run(flags, mbs, grad_acc):
                 wire=dict(meter.wire), calls=dict(meter.calls),
                 state={k: v.detach().clone() for k, v in model.state_dict().items()},
                 counts=torch.stack(gathered), expert_bytes=[p.numel() * 4 for p in experts],
-                dense_bytes=[p.numel() * 4 for p in dense])
+                dense_bytes=[p.numel() * 4 for p in dense], dropped=dropped)
+
+
+def _main07(flags, mbs, grad_acc):
+    """07's main; -> (records, model, meter, the dropped rows it logged, summed over dp; None if dropless)."""
+    logged, original = [], train07.log_dropped
+
+    def recording(*args):
+        logged.append(original(*args))
+        return logged[-1]
+    train07.log_dropped = recording
+    try:
+        return (*train07.main(common.argv(*MOE, *flags, mbs=mbs, grad_acc=grad_acc)), *(logged or [None]))
+    finally:
+        train07.log_dropped = original
 
 
 def _expert_layout(layout):
@@ -243,21 +305,27 @@ def _expert_layout(layout):
     return _layer_twin(*spec) if kind == "twin" else _whole_run(*spec)
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference(*flags):
     """The single-device MoE run (plain 07 train.py: a world of one) of the global batch 8."""
-    records, model, _ = train07.main(common.argv(*MOE, mbs=4, grad_acc=2))
+    records, model, _, dropped = _main07(flags, 4, 2)
     _, experts = moe.split_parameters(model)
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
-            {k: v.detach().clone() for k, v in model.state_dict().items()}, sum(p.numel() * 4 for p in experts))
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+            sum(p.numel() * 4 for p in experts), dropped)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
 
 
 def check_run(got, ref, dp, ep, grad_acc, steps=3):
-    ref_losses, ref_norms, ref_state, ref_expert_bytes = ref
+    ref_losses, ref_norms, ref_state, ref_expert_bytes, ref_dropped = ref
     world = len(got)
     for rank, run in enumerate(got):
         torch.testing.assert_close(run["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"rank {rank}")
         torch.testing.assert_close(run["norms"], ref_norms, rtol=1e-5, atol=0, msg=f"rank {rank} norms")
+        assert run["dropped"] == ref_dropped, f"rank {rank}: the rows dropped over capacity, all ranks"
         assert set(run["state"]) < set(ref_state)                             # a subset, under the same names
         for name, value in run["state"].items():
             torch.testing.assert_close(value, ref_state[name], **PARAMS, msg=f"rank {rank} {name}")
@@ -277,7 +345,9 @@ def check_run(got, ref, dp, ep, grad_acc, steps=3):
                                                              + 2 * (dp - 1) * 4 // dp)
 
 
-TWO_RANKS = {"layer-twin-ep2": ("twin", 2), "dp2-ep2": ("run", ["--dp", 2, "--ep", 2], 2, 2)}
+EXTRAS = ["--shared-experts", 1, "--capacity-factor", 1.0, "--router-z-loss", 0.01]
+TWO_RANKS = {"layer-twin-ep2": ("twin", 2), "dp2-ep2": ("run", ["--dp", 2, "--ep", 2], 2, 2),
+             "dp2-ep2-shared-capacity-zloss": ("run", ["--dp", 2, "--ep", 2, *EXTRAS], 2, 2)}
 FOUR_RANKS = {"layer-twin-ep4": ("twin", 4), "dp4-ep4": ("run", ["--dp", 4, "--ep", 4], 2, 1),
               "dp4-ep2": ("run", ["--dp", 4, "--ep", 2], 1, 2)}
 
@@ -298,6 +368,9 @@ def four_ranks():
 def _check_whole_run(layout, got, reference):
     _, flags, _, grad_acc = layout
     dp, ep = flags[flags.index("--dp") + 1], flags[flags.index("--ep") + 1]
+    if "--capacity-factor" in flags:       # its own single-device run, with the same MoE options
+        reference = _reference(*EXTRAS)
+        assert reference[4] > 0                                               # rows were really dropped
     check_run(got, reference, dp=dp, ep=ep, grad_acc=grad_acc)
 
 

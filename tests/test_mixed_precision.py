@@ -139,7 +139,7 @@ def _zero_layout(layout_and_stage):
     layout, stage = layout_and_stage
     import torch.distributed as dist
     zero_mod = import_module("03_zero.zero")
-    records, zero, model, optimizer, _ = import_module("03_zero.train").main(common.argv(
+    records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(common.argv(
         "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
         steps=2, mbs=1, dtype="bfloat16"))
     numel = sum(p.numel() for p in model.parameters())
