@@ -154,6 +154,8 @@ CASES = [
     ("bucket-mb-0", "02", ["--bucket-mb", "0"], "--bucket-mb must be positive", {}),
     ("02-lr-nan", "02", ["--lr", "nan"], "--lr must be a positive finite number", {}),
     ("fp16-without-loss-scaling", "02", ["--dtype", "float16"], "use --dtype bfloat16 here", {}),
+    ("offload-with-bf16-weights", "03", ["--offload", "optimizer", "--dtype", "bfloat16", "--precision-layout",
+                                         "bf16-16"], "--offload optimizer keeps its own host copy", {}),
     ("02-dataset-csv", "02", ["--dataset", "{csv}"], "convert it to .jsonl or .parquet", {}),
     ("02-tokenizer-missing", "02", ["--tokenizer", "{missing}/tok"], "no such folder", {}),
     ("02-init-from-no-weights", "02", ["--init-from", "{hf_no_weights}"], "no model.safetensors", {}),
