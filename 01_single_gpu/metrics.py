@@ -9,9 +9,10 @@ A trainer whose token does not pass through every parameter (07's MoE) gives its
 
 `StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
 --json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
-"mfu", "hfu"}, and "skipped": true for a step --on-nonfinite skip skipped), written by the logging rank
-only. Every line is strict JSON (a NaN or inf is written as null), and a resumed run first drops the lines
-after its checkpoint's step, so the file holds each step once. `profiler` is --profile DIR's torch.profiler.
+"mfu", "hfu"}, "skipped": true for a step --on-nonfinite skip or an fp16 overflow skipped, and "loss_scale"
+under --dtype float16), written by the logging rank only. Every line is strict JSON (a NaN or inf is
+written as null), and a resumed run first drops the lines after its checkpoint's step, so the file holds
+each step once. `profiler` is --profile DIR's torch.profiler.
 """
 import json
 import math
@@ -110,7 +111,7 @@ class StepLog:
     def start_step(self):
         self.t0 = time.perf_counter()
 
-    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False) -> dict:
+    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False, extra=None) -> dict:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
         seconds = time.perf_counter() - self.t0
@@ -121,6 +122,7 @@ class StepLog:
                   "hfu": self.hardware_flops_per_step / seconds / peak if peak else None}
         if skipped:
             record["skipped"] = True
+        record.update(extra or {})
         self.records.append(record)
         if self.json:
             self.json.write(json_line(record))
