@@ -117,6 +117,13 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     o.add_argument("--no-progress", action="store_true", help="no tqdm bar (one log line per step instead)")
     o.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak for MFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
+    o.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps and after the last, the loss on held-out data (0: no held-out split)")
+    o.add_argument("--eval-batches", type=int, default=2, metavar="K",
+                   help="global batches held out for evaluation: the last K·dp·mbs·grad_acc windows of the data")
+    o.add_argument("--plot", metavar="DIR", help="at the end, loss.png (train and eval loss) and memory.png "
+                                                 "(model states and activations per rank) in DIR")
+    o.add_argument("--tensorboard", metavar="DIR", help="TensorBoard event files in DIR (pip install tensorboard)")
     o.add_argument("--checkpoint-dir", metavar="DIR")
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
     o.add_argument("--keep-last", type=int, default=0, metavar="N",
@@ -177,7 +184,7 @@ def check_values(args):
                  "num_layers", "num_heads", "num_kv_heads", *optional]:
         if getattr(args, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
-    for name in ("warmup_steps", "checkpoint_every", "keep_last"):
+    for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
     for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
@@ -192,6 +199,10 @@ def check_values(args):
     for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
         if getattr(args, name) and not args.checkpoint_dir:
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
+    if args.eval_batches < 1:
+        raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if not args.eval_every:   # no held-out split: the training data are the whole dataset (resume compares it)
+        args.eval_batches = 0
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
@@ -206,6 +217,14 @@ def check_inputs(args):
     checkpoint, modeling = import_module("01_single_gpu.checkpoint"), import_module("01_single_gpu.model")
     check_output_file(args.json_log, "--json-log")
     check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
+    if args.plot:
+        check_output_folder(args.plot, "--plot")
+    if args.tensorboard:
+        check_output_folder(args.tensorboard, "--tensorboard")
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes its event files)
+        except ImportError:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
     sources.check_tokenizer(args.tokenizer)
     if args.init_from:
@@ -272,6 +291,10 @@ def setup(parser, argv=None, check_layout=None):
         if check_layout is not None:
             check_layout(args, config)
         dataset = data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
+        held_out = args.eval_batches * global_batch_of(args)
+        if held_out and held_out >= len(dataset):
+            raise ValueError(f"--eval-batches {args.eval_batches} holds out {held_out} of the {len(dataset)} "
+                             f"windows of {args.dataset}, leaving none to train on: lower --eval-batches")
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     return args, config, dataset

@@ -47,6 +47,12 @@ def train_step(model, optimizer, micro_batches, args):
     return float(loss), grad_norm
 
 
+def eval_step(model, micro_batches, args):
+    """The loss of a held-out global batch, forward only (--eval-every): the mean over its micro-batches."""
+    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+        return float(sum(model(x, labels=y) for x, y in micro_batches) / len(micro_batches))
+
+
 def run(args, config, dataset):
     """Train on one device; returns (per-step records, trained model)."""
     model = build.materialize(build.build_model(args, config), args)      # built on meta, then given values
@@ -56,7 +62,8 @@ def run(args, config, dataset):
                                                    build.activation_element_bytes(args), args.recompute)
     memory.print_report(model, optimizer, activations, args, config)
     records = loop.train(args, functools.partial(train_step, model, optimizer, args=args), model, optimizer,
-                         dataset, metrics.flops_per_token(config, args.seq_len))
+                         dataset, metrics.flops_per_token(config, args.seq_len),
+                         eval_step=functools.partial(eval_step, model, args=args))
     return records, model
 
 
