@@ -22,6 +22,8 @@ import contextlib
 import math
 from importlib import import_module
 
+import torch
+
 build = import_module("01_single_gpu.build")
 checkpoint = import_module("01_single_gpu.checkpoint")
 cli = import_module("01_single_gpu.cli")
@@ -111,6 +113,16 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     if log.records and is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
     return log.records
+
+
+def mean_loss(model, micro_batches, args, positions=None) -> torch.Tensor:
+    """Forward only: this rank's mean loss over its micro-batches (the local part of every eval_step).
+    `positions` (T/cp,): context parallelism's tokens of each sequence (05)."""
+    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+        if positions is None:
+            return sum(model(x, labels=y) for x, y in micro_batches) / len(micro_batches)
+        return sum(model(x[:, positions], labels=y[:, positions], position_ids=positions)   # (mbs, T/cp)
+                   for x, y in micro_batches) / len(micro_batches)
 
 
 def gather_to_all(mine, world_size: int) -> list:

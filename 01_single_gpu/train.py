@@ -47,12 +47,6 @@ def train_step(model, optimizer, micro_batches, args):
     return float(loss), grad_norm
 
 
-def eval_step(model, micro_batches, args):
-    """The loss of a held-out global batch, forward only (--eval-every): the mean over its micro-batches."""
-    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
-        return float(sum(model(x, labels=y) for x, y in micro_batches) / len(micro_batches))
-
-
 def run(args, config, dataset):
     """Train on one device; returns (per-step records, trained model)."""
     model = build.materialize(build.build_model(args, config), args)      # built on meta, then given values
@@ -63,7 +57,7 @@ def run(args, config, dataset):
     memory.print_report(model, optimizer, activations, args, config)
     records = loop.train(args, functools.partial(train_step, model, optimizer, args=args), model, optimizer,
                          dataset, metrics.flops_per_token(config, args.seq_len),
-                         eval_step=functools.partial(eval_step, model, args=args))
+                         eval_step=lambda micro_batches: float(loop.mean_loss(model, micro_batches, args)))
     return records, model
 
 
