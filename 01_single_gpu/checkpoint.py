@@ -39,7 +39,7 @@ FREE_FLAGS = {"steps", "mbs", "grad_acc", "dtype", "device", "recompute", "kerne
               "resume", "overwrite", "timeout_s", "on_nonfinite", "timeline", "dp_mode", "bucket_mb",
               "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step",
               "dp", "tp", "pp", "cp", "ep", "pp_chunks", "sp", "zero_stage",
-              "eval_every", "plot", "tensorboard"}   # not --eval-batches: the held-out windows leave the training data
+              "eval_every", "plot", "tensorboard"}   # not --eval-batches: its windows leave the training data
 
 
 def _world():

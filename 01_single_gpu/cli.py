@@ -120,10 +120,11 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     o.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="every N steps and after the last, the loss on held-out data (0: no held-out split)")
     o.add_argument("--eval-batches", type=int, default=2, metavar="K",
-                   help="global batches held out for evaluation: the last K·dp·mbs·grad_acc windows of the data")
+                   help="global batches held out for evaluation: the data's last K·dp·mbs·grad_acc windows")
     o.add_argument("--plot", metavar="DIR", help="at the end, loss.png (train and eval loss) and memory.png "
                                                  "(model states and activations per rank) in DIR")
-    o.add_argument("--tensorboard", metavar="DIR", help="TensorBoard event files in DIR (pip install tensorboard)")
+    o.add_argument("--tensorboard", metavar="DIR",
+                   help="TensorBoard event files in DIR (pip install tensorboard)")
     o.add_argument("--checkpoint-dir", metavar="DIR")
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
     o.add_argument("--keep-last", type=int, default=0, metavar="N",
@@ -201,7 +202,7 @@ def check_values(args):
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
     if args.eval_batches < 1:
         raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
-    if not args.eval_every:   # no held-out split: the training data are the whole dataset (resume compares it)
+    if not args.eval_every:   # no held-out split: training reads the whole dataset (--resume compares it)
         args.eval_batches = 0
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "

@@ -16,7 +16,7 @@ tokenizer of the run that saved it; an HF directory with its own tokenizer files
 """
 import sys
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import contextlib
 import json
@@ -65,7 +65,7 @@ def kv_cache(model):
 
 
 def next_token(logits, temperature: float, top_k: int, generator=None):
-    """(B, V) logits -> (B, 1) token ids: argmax at temperature 0, else a draw from softmax(z/τ) of the top k."""
+    """(B, V) logits -> (B, 1) ids: argmax at temperature 0, else a draw from softmax(z/τ) of the top k."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
@@ -98,7 +98,8 @@ def load(checkpoint_dir=None, hf_dir=None, tokenizer=None, step=None):
     """(model, tokenizer name) from a checkpoint of any layout or from an HF directory."""
     if checkpoint_dir:
         if not Path(checkpoint_dir).is_dir():
-            raise ValueError(f"--checkpoint-dir {checkpoint_dir} does not exist: pass a trainer's --checkpoint-dir")
+            raise ValueError(f"--checkpoint-dir {checkpoint_dir} does not exist: pass a trainer's "
+                             f"--checkpoint-dir")
         _, config, state, manifest = export_hf.read_checkpoint(checkpoint_dir, step)
         model = modeling.LlamaForCausalLM(config)
         model.load_state_dict(state)
@@ -137,9 +138,9 @@ def main(argv=None):
     ids = torch.tensor([tokenizer.encode(args.prompt)], device=args.device)     # (1, T)
     if ids.shape[1] == 0:
         parser.error("--prompt is empty: give the model some text to continue")
+    generator = torch.Generator(args.device).manual_seed(args.seed)
     out = generate(model.to(args.device), ids, args.max_new_tokens, args.temperature, args.top_k,
-                   use_cache=not args.no_kv_cache, generator=torch.Generator(args.device).manual_seed(args.seed),
-                   eos_token_id=tokenizer.eos_token_id)
+                   use_cache=not args.no_kv_cache, generator=generator, eos_token_id=tokenizer.eos_token_id)
     text = tokenizer.decode(out[0].tolist())
     print(text)
     return out

@@ -41,8 +41,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
 
     `model` is what this rank checkpoints (its shards, its stages), `grid` (02's ProcessGrid, None on one
     device) says which rows of each global batch this rank reads (its dp coordinate) and who logs, and
-    `layout` (the parallel degrees) is saved with checkpoints and checked on --resume. `eval_step(micro_batches)
-    -> global mean loss` runs forward only (--eval-every). Returns the records.
+    `layout` (the parallel degrees) is saved with checkpoints and checked on --resume.
+    `eval_step(micro_batches) -> global mean loss` runs forward only (--eval-every). Returns the records.
     """
     device = build.device_of(args)
     dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
@@ -74,7 +74,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
             log.start_step()
             lr = optim.lr_at(step, args)
             optim.set_lr(optimizer, lr)
-            micro_batches = batches(sampler, step)                           # grad_acc × (x, y), (mbs, T) each
+            micro_batches = batches(sampler, step)                   # grad_acc × (x, y), (mbs, T) each
             # The run's first step follows what autograd saves for backward: its peak is the measured
             # activation memory (the setup table shows Korthikanti's estimate).
             meter = memory.saved_activation_bytes(exclude=params) if step == start else None

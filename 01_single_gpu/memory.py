@@ -133,7 +133,8 @@ def memory_report(params, optimizer, activations: int, grad_dtype=None, optimize
 def held_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`: what the rank really holds (a ZeRO-3 parameter whose
     storage is freed counts 0, views of one flat buffer count it once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None}
     return sum(storages.values())
 
 

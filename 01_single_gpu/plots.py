@@ -12,7 +12,8 @@ matplotlib is imported only here, with its file-only backend (no display needed)
 from pathlib import Path
 
 MEMORY_PARTS = (("parameters", "parameters", "#4C72B0"), ("gradients", "gradients", "#DD8452"),
-                ("optimizer", "optimizer states", "#55A868"), ("activations", "activations (step 1 peak)", "#C44E52"))
+                ("optimizer", "optimizer states", "#55A868"),
+                ("activations", "activations (step 1 peak)", "#C44E52"))
 
 
 def _pyplot():

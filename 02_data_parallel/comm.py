@@ -175,7 +175,7 @@ class CommMeter:
         self._saved.clear()
 
     def unmetered(self, fn):
-        """`fn`, whose calls are not counted: evaluation's forward passes (the tables are per training step)."""
+        """`fn`, whose calls are not counted: evaluation's forward passes (the tables are per step)."""
         @functools.wraps(fn)
         def run(*args, **kwargs):
             self.paused = True

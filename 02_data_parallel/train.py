@@ -83,7 +83,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size},
-                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid, args=args)))
+                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
+                                                                         args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
                           steps=len(records)))

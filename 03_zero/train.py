@@ -51,7 +51,8 @@ def train_step(model, optimizer, micro_batches, zero, grid, args):
 
 
 def eval_step(model, micro_batches, grid, args):
-    """A held-out global batch's loss, forward only: this rank's rows, then the mean over the dp ranks (ZeRO-3 gathers each unit in forward)."""
+    """A held-out global batch's loss, forward only: this rank's rows (ZeRO-3 gathers each unit in its
+    forward), then the mean over the dp ranks."""
     return data_parallel.global_mean(loop.mean_loss(model, micro_batches, args), grid.dp_group)
 
 def build_parser():
@@ -82,7 +83,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "zero_stage": args.zero_stage},
-                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid, args=args)))
+                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
+                                                                         args=args)))
     params, grads, states = zero.model_state_bytes(model, optimizer)
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank per step (average of {len(records)} steps)",

@@ -107,7 +107,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size},
-                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid, args=args)))
+                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
+                                                                         args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank over {len(records)} steps"))
     return records, model

@@ -118,14 +118,14 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1):
     for ax, panel, scale, xlabel in panels:
         t0, t1 = min(e.start for e in panel), max(e.end for e in panel)
         ax.set_xlim(0, (t1 - t0) * scale * 1.01)
-        points_per_unit = 0.9 * width_in * 72 / ((t1 - t0) * scale * 1.01)      # the axes span ~90% of the figure
+        points_per_unit = 0.9 * width_in * 72 / ((t1 - t0) * scale * 1.01)      # axes: ~90% of the width
         for e in panel:
             colour = colours(e.micro % colours.N)
             style = {"F": dict(facecolor=colour, alpha=1.0),
                      "B": dict(facecolor=colour, alpha=0.45),                      # lighter shade
                      "W": dict(facecolor=colour, alpha=0.8, hatch="///")}[e.op]     # hatched
             left, width = (e.start - t0) * scale, (e.end - e.start) * scale
-            y = p - 1 - e.rank + 0.4 - lane * (e.chunk + 0.5)                     # the chunk's lane in the row
+            y = p - 1 - e.rank + 0.4 - lane * (e.chunk + 0.5)                     # the chunk's lane
             ax.barh(y, width, left=left, height=lane, edgecolor="black", linewidth=0.4, **style)
             label = str(e.micro)
             if width * points_per_unit >= 0.65 * 6 * len(label) + 2:              # 6-point digits fit inside

@@ -102,7 +102,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, stages, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len), grid=grid,
                              layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks},
-                             eval_step=meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args)))
+                             eval_step=meter.unmetered(functools.partial(eval_step, pipe, grid=grid,
+                                                                         args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication of rank 0 over {len(records)} steps"))
     events = timeline.report(args, grid, pipe.events)      # the last step: bubble, picture

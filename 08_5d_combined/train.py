@@ -170,8 +170,9 @@ def run(args, config, dataset, grid):
     step = functools.partial(train_step, pipe, optimizer, zero1=zero1, norm_weights=norm_weights, dense=dense,
                              expert_params=expert_params, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
-        records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid, layout=checkpoint_layout,
-                             eval_step=meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args)))
+        evaluate = meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args))
+        records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
+                             layout=checkpoint_layout, eval_step=evaluate)
     everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1))
     if grid.pp_size > 1:
         timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble
