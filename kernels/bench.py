@@ -234,13 +234,14 @@ def plot_results(result: dict, path):
     for ax, kernel in zip(axes.flat, kernels):
         rows = [r for r in result["rows"] if r["kernel"] == kernel]
         groups = list(dict.fromkeys((r["shape"], r["pass_"]) for r in rows))
-        width = 0.8 / len(impls)
-        for i, impl in enumerate(impls):
+        present = [impl for impl in impls if any(r["impl"] == impl for r in rows)]   # SDPA: attention only
+        width = 0.8 / len(present)
+        for i, impl in enumerate(present):
             for g, group in enumerate(groups):
                 row = next((r for r in rows if (r["shape"], r["pass_"]) == group and r["impl"] == impl), None)
                 if row is None:
                     continue
-                x = g + (i - (len(impls) - 1) / 2) * width
+                x = g + (i - (len(present) - 1) / 2) * width
                 if row.get("ms") is None:              # failed (OOM, compile error): marked, not drawn
                     ax.text(x, 1, "×", ha="center", color=colours[impl])
                 else:
@@ -250,7 +251,7 @@ def plot_results(result: dict, path):
         ax.set_ylabel(f"% of measured peak ({rows[0]['unit']})", fontsize=8)
         ax.set_title(kernel, fontsize=10)
         ax.set_ylim(0, 130 * max((r["of_peak"] for r in rows if r.get("ms") is not None), default=1))
-        ax.legend(fontsize=7, loc="upper center", ncol=len(impls))      # in the headroom above the bars
+        ax.legend(fontsize=7, loc="upper center", ncol=len(present))    # in the headroom above the bars
     if result["memory"]:
         ax = axes.flat[len(kernels)]
         labels = [f"{m['shape']}\n{m['impl']}" for m in result["memory"]]
