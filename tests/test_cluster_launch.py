@@ -1,6 +1,6 @@
 """08_5d_combined/train.sbatch: the Slurm template starts torchrun with flags torchrun and the trainer accept.
 
-No Slurm here: the script runs under bash with stand-ins for `scontrol` (prints two host names) and
+No Slurm here: the script runs under bash with stand-ins for `scontrol` (prints the host names, 2000 of them) and
 `srun` (records its arguments), and the Slurm variables a 2-node allocation sets. Then the recorded
 command line is parsed by torchrun's own parser (torch.distributed.run) and its trainer flags by the
 trainer's parser and layout check, for the command the script's header documents (2 nodes × 8 GPUs).
@@ -38,7 +38,8 @@ def test_sbatch_template_passes_flags_torchrun_and_the_trainer_accept(tmp_path, 
     assert command[:4] == ["sbatch", "--nodes", "2", "08_5d_combined/train.sbatch"]
     bin_dir, recorded = tmp_path / "bin", tmp_path / "srun.args"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
+    hosts = "".join(f"gpu-node-{i:02d}\\n" for i in range(7, 7 + 2000))   # long: a reader that stops early
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\nprintf '{hosts}'\n")     # would SIGPIPE it
     (bin_dir / "srun").write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {recorded}\n")
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
