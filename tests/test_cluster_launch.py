@@ -1,7 +1,8 @@
 """08_5d_combined/train.sbatch: the Slurm template starts torchrun with flags torchrun and the trainer accept.
 
-No Slurm here: the script runs under bash with stand-ins for `scontrol` (prints the host names, 2000 of them) and
-`srun` (records its arguments), and the Slurm variables a 2-node allocation sets. Then the recorded
+No Slurm here: the script runs under bash with stand-ins for `scontrol` (prints 2000 host names: a
+reader that stops early would SIGPIPE it) and `srun` (records its arguments), and the Slurm variables a
+2-node allocation sets. Then the recorded
 command line is parsed by torchrun's own parser (torch.distributed.run) and its trainer flags by the
 trainer's parser and layout check, for the command the script's header documents (2 nodes × 8 GPUs).
 """
