@@ -5,7 +5,7 @@
         this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
         a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite
-        every --eval-every steps: loss = eval_step(held-out batch)  data.split_held_out
+        every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
     --plot: the loss curve and every rank's measured memory     plots.py
 
@@ -23,6 +23,7 @@ import math
 from importlib import import_module
 
 import torch
+import torch.distributed as dist
 
 build = import_module("01_single_gpu.build")
 checkpoint = import_module("01_single_gpu.checkpoint")
@@ -104,12 +105,10 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
         guard.remove()
     log.close()
     if args.plot and start < args.steps:
-        everyone = memory.measured_state(model, optimizer, activation_peak)      # this rank's bytes
-        if several:
-            everyone = gather_to_all(everyone, grid.world_size)
+        mine = memory.measured_state(model, optimizer, activation_peak)          # this rank's bytes
+        everyone = gather_to_all(mine, grid.world_size) if several else [mine]
         if is_logging_rank:
-            print(f"plots: {plots.loss_curve(log.records, args.plot)}, "
-                  f"{plots.memory_bars(everyone if several else [everyone], args.plot)}")
+            print(f"plots: {plots.loss_curve(log.records, args.plot)}, {plots.memory_bars(everyone, args.plot)}")
     if log.records and is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
     return log.records
@@ -126,7 +125,7 @@ def mean_loss(model, micro_batches, args, positions=None) -> torch.Tensor:
 
 
 def gather_to_all(mine, world_size: int) -> list:
-    import torch.distributed as dist
+    """Every rank's `mine`, in rank order, on every rank."""
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return everyone
