@@ -10,6 +10,8 @@ test_5d_combined.py (dp×tp×pp and tp+sp×cp×interleaved pp), which also shows
 communication is not counted in the per-step tables (the planner's bytes still match exactly).
 """
 import json
+import os
+import tempfile
 from importlib import import_module
 
 import pytest
@@ -21,9 +23,10 @@ from harness import layout_results, run_layouts
 data = import_module("01_single_gpu.data")
 EVAL = ["--eval-every", 1, "--eval-batches", 2]
 STEPS = 2
+PLOTS = tempfile.mkdtemp(prefix="test_evaluation_")      # ZeRO-3's --plot: every rank's bytes gathered
 LAYOUTS = {   # id: (module, flags, mbs, grad_acc): the global batch is 4 sequences everywhere
     "02-dp2": ("02_data_parallel.train", ["--dp", 2], 2, 1),
-    "03-zero3-dp2": ("03_zero.train", ["--dp", 2, "--zero-stage", 3], 2, 1),
+    "03-zero3-dp2": ("03_zero.train", ["--dp", 2, "--zero-stage", 3, "--plot", PLOTS], 2, 1),
     "04-tp2": ("04_tensor_parallel.train", ["--tp", 2], 4, 1),
     "05-cp2-zigzag": ("05_sequence_context_parallel.train", ["--cp", 2, "--cp-layout", "zigzag"], 4, 1),
     "06-pp2-1f1b": ("06_pipeline.train", ["--pp", 2, "--pp-schedule", "1f1b"], 2, 2),
@@ -60,6 +63,8 @@ def test_eval_loss_is_the_single_device_one(two_ranks, references, layout_id):
     expected = references["moe" if "moe" in layout_id else "dense"]
     for rank, losses in enumerate(layout_results(two_ranks, layout_id)):
         torch.testing.assert_close(losses, expected, rtol=1e-10, atol=0, msg=f"{layout_id} rank {rank}")
+    if "--plot" in LAYOUTS[layout_id][1]:
+        assert sorted(os.listdir(PLOTS)) == ["loss.png", "memory.png"]
 
 
 def test_held_out_windows_are_never_trained_on_and_evaluation_changes_nothing(tmp_path):
@@ -99,3 +104,19 @@ def test_bad_evaluation_flags_name_the_fix(capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         single.main(common.argv("--tensorboard", tmp_path))
     assert "needs the tensorboard package: pip install tensorboard" in capsys.readouterr().err
+
+
+def test_measured_state_counts_storages_once():
+    """memory.png's bytes: parameters and gradients by the storages a rank holds (views of one flat buffer,
+    as ZeRO's and the DP buckets' are, count once; a freed ZeRO-3 storage counts 0), AdamW's two moments."""
+    memory = import_module("01_single_gpu.memory")
+    flat = torch.zeros(10)
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(flat[:4].view(2, 2)), torch.nn.Parameter(flat[4:])
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.a.grad, model.b.grad = torch.ones(2, 2), torch.ones(6)
+    optimizer.step()
+    assert memory.measured_state(model, optimizer, 123) == dict(parameters=40, gradients=40, optimizer=80,
+                                                               activations=123)
+    flat.untyped_storage().resize_(0)                        # ZeRO-3 frees the gathered parameters
+    assert memory.measured_state(model, optimizer, 0)["parameters"] == 0
