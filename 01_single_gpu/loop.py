@@ -108,7 +108,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
         mine = memory.measured_state(model, optimizer, activation_peak)          # this rank's bytes
         everyone = gather_to_all(mine, grid.world_size) if several else [mine]
         if is_logging_rank:
-            print(f"plots: {plots.loss_curve(log.records, args.plot)}, {plots.memory_bars(everyone, args.plot)}")
+            print(f"plots: {plots.loss_curve(log.records, args.plot)}, "
+                  f"{plots.memory_bars(everyone, args.plot)}")
     if log.records and is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
     return log.records

@@ -99,7 +99,7 @@ class StepLog:
 
     def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False,
                  evaluate=None) -> dict:
-        """Log the step. `evaluate()` (the held-out loss) runs after the clock stopped (tokens/s: training)."""
+        """Log the step. `evaluate()` (the held-out loss) runs after the clock stopped (tokens/s: train)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
         seconds = time.perf_counter() - self.t0
