@@ -116,7 +116,10 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     o.add_argument("--log-every", type=int, default=1)
     o.add_argument("--no-progress", action="store_true", help="no tqdm bar (one log line per step instead)")
     o.add_argument("--peak-tflops", type=float, default=None,
-                   help="device peak for MFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
+                   help="device peak for MFU and HFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
+    o.add_argument("--profile", metavar="DIR",
+                   help="torch.profiler trace of steps 3-5 (wait 1, warm up 1, record 3) into DIR, one file per "
+                        "rank, for Perfetto or TensorBoard")
     o.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="every N steps and after the last, the loss on held-out data (0: no held-out split)")
     o.add_argument("--eval-batches", type=int, default=2, metavar="K",
@@ -197,6 +200,9 @@ def check_values(args):
         raise ValueError(f"--grad-clip must be 0 (off) or positive (a finite number), got {args.grad_clip}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    if args.profile and args.steps < 3:
+        raise ValueError(f"--profile records from the 3rd step on (1 skipped, 1 warm-up): pass --steps 3 or more, "
+                         f"got {args.steps}")
     for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
         if getattr(args, name) and not args.checkpoint_dir:
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
@@ -217,6 +223,8 @@ def check_inputs(args):
     sources, hf_io = import_module("01_single_gpu.sources"), import_module("01_single_gpu.hf_io")
     checkpoint, modeling = import_module("01_single_gpu.checkpoint"), import_module("01_single_gpu.model")
     check_output_file(args.json_log, "--json-log")
+    if args.profile:
+        check_output_folder(args.profile, "--profile")
     check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
     if args.plot:
         check_output_folder(args.plot, "--plot")

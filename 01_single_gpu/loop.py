@@ -7,6 +7,7 @@
         a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite
         every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
+        --profile DIR: the profiler's schedule advances         metrics.profiler
     --plot: the loss curve and every rank's measured memory     plots.py
 
 Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
@@ -42,7 +43,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
 
     `model` is what this rank checkpoints (its shards, its stages), `grid` (02's ProcessGrid, None on one
     device) says which rows of each global batch this rank reads (its dp coordinate) and who logs, and
-    `layout` (the parallel degrees) is saved with checkpoints and checked on --resume.
+    `layout` (the parallel degrees) is saved with checkpoints and checked on --resume. `flops_per_token`
+    is the model's (MFU); --recompute's extra forward is added here (HFU).
     `eval_step(micro_batches) -> global mean loss` runs forward only (--eval-every). Returns the records.
     """
     device = build.device_of(args)
@@ -64,13 +66,19 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
         start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     tokens_per_step = sampler.global_batch * args.seq_len
+    config = next(m.config for m in model.modules() if hasattr(m, "config"))    # a pipeline stage's too
+    hardware_flops_per_token = metrics.hardware_flops_per_token(flops_per_token, config, args.seq_len,
+                                                                args.recompute)   # + what recompute reruns
     log = metrics.StepLog(args, start, tokens_per_step, flops_per_token * tokens_per_step,
-                          grid.world_size if grid else 1, device, is_logging_rank)
+                          grid.world_size if grid else 1, device, is_logging_rank,
+                          hardware_flops_per_token * tokens_per_step)
     params = [p for p in model.parameters() if p.requires_grad]
     guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None
     several = grid is not None and grid.world_size > 1
     activation_peak = 0
-    with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog:
+    profiler = metrics.profiler(args.profile, device, grid.rank if grid else 0)
+    with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog, \
+            profiler or contextlib.nullcontext():
         for step in range(start, args.steps):
             log.start_step()
             lr = optim.lr_at(step, args)
@@ -101,9 +109,14 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                                             "args": vars(args)}, args.keep_last, args.overwrite)
             if dog:
                 dog.beat(f"step {step + 1} ended")
+            if profiler:
+                profiler.step()         # the schedule's clock: wait 1, warm up 1, record 3 (metrics.profiler)
     if guard:
         guard.remove()
     log.close()
+    if profiler and is_logging_rank:
+        print(f"profile: a trace of steps {start + 3}-{min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)} in "
+              f"{args.profile} (open it in ui.perfetto.dev or TensorBoard)")
     if args.plot and start < args.steps:
         mine = memory.measured_state(model, optimizer, activation_peak)          # this rank's bytes
         everyone = gather_to_all(mine, grid.world_size) if several else [mine]

@@ -1,17 +1,19 @@
-"""What a run reports per step: loss, learning rate, gradient norm, tokens/s, MFU (plumbing, not a technique).
+"""What a run reports per step: loss, learning rate, gradient norm, tokens/s, MFU, HFU (plumbing).
 
 MFU (playbook §2.1 "MFU and HFU", PaLM App. B): model FLOPs per second over the devices' peak. The model
 FLOPs per token are 6 per matmul parameter (2 forward, 4 backward) plus 12·L·h·s for the causal attention
-scores (the full s×s matrix, as PaLM counts it); recomputed FLOPs are not counted (that would be HFU).
+scores (the full s×s matrix, as PaLM counts it). HFU counts what the hardware really ran: the recomputed
+forward too (`hardware_flops_per_token`: full recompute adds one forward of the layers, their 6 → 8 per
+parameter and 12 → 16·L·h·s, i.e. 4/3 of the layers' FLOPs; selective adds the attention core's 4·L·h·s).
 A trainer whose token does not pass through every parameter (07's MoE) gives its own count.
 
 `StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
 --json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
-"mfu"}, "eval_loss" after an evaluation, and "skipped": true for a step --on-nonfinite skip skipped),
-written by the logging rank only; --tensorboard DIR gets the same scalars and the memory (GiB: the
-GPU allocator's peak, or the process's peak RSS on the CPU) through torch.utils.tensorboard.
-Every line is strict JSON (a NaN or inf is written as null), and a resumed run first drops the lines
-after its checkpoint's step, so the file holds each step once.
+"mfu", "hfu"}, "eval_loss" after an evaluation, and "skipped": true for a step --on-nonfinite skip
+skipped), written by the logging rank only; --tensorboard DIR gets the same scalars and the memory (GiB:
+the GPU allocator's peak, or the process's peak RSS on the CPU) through torch.utils.tensorboard. Every
+line is strict JSON (a NaN or inf is written as null), and a resumed run first drops the lines after its
+checkpoint's step, so the file holds each step once. `profiler` is --profile DIR's torch.profiler.
 """
 import json
 import math
@@ -26,6 +28,7 @@ from tqdm import tqdm
 
 modeling = import_module("01_single_gpu.model")
 
+PROFILE_ACTIVE = 3                                             # steps --profile records
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}   # dense bf16, per GPU
 
 
@@ -36,6 +39,23 @@ def flops_per_token(config, seq_len: int) -> int:
     matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
                         if "embed_tokens" not in n or config.tie_word_embeddings)
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def hardware_flops_per_token(model_flops: int, config, seq_len: int, recompute: str) -> int:
+    """HFU's count: `model_flops` (flops_per_token's, or 07's MoE count) plus what --recompute runs again
+    (Korthikanti et al. §5, Megatron's 72 → 96·B·s·L·h² for full recompute):
+        full       + one forward of every layer: a third of the layers' share (everything but the head)
+        selective  + the attention core's forward, q·kᵀ and softmax·v: 2·h·s + 2·h·s per layer"""
+    if recompute == "full":
+        with torch.device("meta"):
+            shapes = modeling.LlamaForCausalLM(config)
+        head = sum(p.numel() for n, p in shapes.named_parameters()      # the final norm and the lm head
+                   if not n.startswith("model.layers.")
+                   and ("embed_tokens" not in n or config.tie_word_embeddings))
+        return model_flops + (model_flops - 6 * head) // 3                # layers: 6 → 8 per parameter
+    if recompute == "selective":
+        return model_flops + 4 * config.num_hidden_layers * config.hidden_size * seq_len
+    return model_flops
 
 
 def peak_tflops(args, device):
@@ -77,9 +97,10 @@ class StepLog:
     """Times each step and reports it; `records` keeps what was logged (tests and callers read it)."""
 
     def __init__(self, args, start: int, tokens_per_step: int, flops_per_step: float, world_size: int,
-                 device, is_logging_rank: bool):
+                 device, is_logging_rank: bool, hardware_flops_per_step: float | None = None):
         self.args, self.device, self.is_logging_rank = args, device, is_logging_rank
         self.tokens_per_step, self.flops_per_step, self.world_size = tokens_per_step, flops_per_step, world_size
+        self.hardware_flops_per_step = hardware_flops_per_step or flops_per_step   # recomputed FLOPs included
         self.peak = peak_tflops(args, device)
         self.records = []
         self.json = None
@@ -103,9 +124,11 @@ class StepLog:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
         seconds = time.perf_counter() - self.t0
+        peak = self.peak * 1e12 * self.world_size if self.peak else None      # FLOP/s of all the devices
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": self.tokens_per_step / seconds,
-                  "mfu": self.flops_per_step / seconds / (self.peak * 1e12 * self.world_size) if self.peak else None}
+                  "mfu": self.flops_per_step / seconds / peak if peak else None,
+                  "hfu": self.hardware_flops_per_step / seconds / peak if peak else None}
         if evaluate is not None:
             record["eval_loss"] = self.eval_loss = evaluate()
         if skipped:
@@ -119,21 +142,21 @@ class StepLog:
         if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
             mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB" if self.device.type == "cuda"
                    else "-")
-            mfu = f"{record['mfu']:.1%}" if self.peak else "n/a"
+            mfu, hfu = (f"{record[k]:.1%}" if self.peak else "n/a" for k in ("mfu", "hfu"))
             shown = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}   # the latest one
             self.bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu,
-                                 mem=mem)
+                                 hfu=hfu, mem=mem)
             if self.args.no_progress:
                 evaluated = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
                 print(f"step {step + 1:>5} | loss {loss:.4f}{evaluated} | lr {lr:.2e} | "
-                      f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | mem {mem}", flush=True)
+                      f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | hfu {hfu} | mem {mem}", flush=True)
         self.bar.update(1)
         return record
 
     def write_tensorboard(self, record: dict):
         """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""
         step = record["step"]
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu"):
             if record[key] is not None:
                 self.tensorboard.add_scalar(f"train/{key}", record[key], step)
         if "eval_loss" in record:
@@ -156,3 +179,20 @@ class StepLog:
             self.json.close()
         if self.tensorboard:
             self.tensorboard.close()
+
+
+def profiler(folder, device, rank: int):
+    """--profile DIR: the playbook's torch.profiler recipe (§2.1 "profiling"): skip 1 step, warm up 1, record
+    the next 3, then write a Chrome trace `rank{r}.*.pt.trace.json` into DIR, which opens in Perfetto
+    (ui.perfetto.dev), chrome://tracing or TensorBoard's profiler plugin. None without DIR. The loop calls
+    `.step()` after each optimizer step; a run that ends inside the recorded window writes what it has."""
+    if folder is None:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":            # the kernels too (written for GPUs, untested on one here)
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_ACTIVE, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(folder), worker_name=f"rank{rank}"),
+        record_shapes=True, with_stack=False)

@@ -9,7 +9,7 @@ keeping every intermediate activation for the backward pass, keep less and recom
                quadratic in s to store
     full       keep only each layer's input            ≈ 2·s·b·h bytes per layer, for ~30-40% more
                                                         compute (one extra forward)
-MFU does not count the recomputed FLOPs (HFU would). `tests/test_single_gpu.py` checks that all
+MFU does not count the recomputed FLOPs; HFU does (metrics.py). `tests/test_single_gpu.py` checks that all
 three give identical gradients and that the saved activations shrink in this order.
 
     python 01_single_gpu/train.py --recompute selective --steps 3   # the measured peak after step 1

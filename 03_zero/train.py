@@ -11,6 +11,7 @@ rank and where the collectives happen (formulas in zero.py and the folder's READ
 New in the step compared with 02: the gradient buffers are ZeRO's (`zero_gradients`), the reduction is a
 reduce-scatter (stage 1 after the last micro-batch, stages 2-3 from backward hooks), the norm is summed over
 the shards, AdamW steps 1/N of the states, and stages 1-2 all-gather the updated shards after it.
+With --offload optimizer (offload.py, ZeRO-Offload) that 1/N lives on the host and the step runs there.
 """
 import sys
 from pathlib import Path
@@ -31,9 +32,10 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 zero_mod = import_module("03_zero.zero")
+offload_mod = import_module("03_zero.offload")
 
 
-def train_step(model, optimizer, micro_batches, zero, grid, args):
+def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     """02's step on ZeRO's shards; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
     zero.zero_gradients()                             # stage 1: .grad views of flat buffers; 2-3: shard grads
@@ -45,7 +47,11 @@ def train_step(model, optimizer, micro_batches, zero, grid, args):
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
     grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖²
-    optimizer.step()                                  # AdamW on this rank's 1/N of the states
+    if offload:
+        offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host
+    optimizer.step()                                  # AdamW on this rank's 1/N of the states (offload: host)
+    if offload:
+        offload.parameters_to_device()                # the updated shard, host -> device
     zero.gather_shards()                              # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
@@ -59,6 +65,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp")
     zero_mod.add_arguments(parser)
+    offload_mod.add_arguments(parser)
     return parser
 
 
@@ -66,19 +73,21 @@ def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
     zero_mod.check_zero(args)
+    offload_mod.check_offload(args)
 
 
 def run(args, config, dataset, grid):
-    """Returns (records, the ZeRO object, model, optimizer, meter)."""
+    """Returns (records, the ZeRO object, model, optimizer, meter, the OptimizerOffload or None)."""
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
                          source=build.source(model, args))  # stage 3: only this rank's shard ever exists
-    optimizer = optim.make_optimizer(zero.shards, args)
+    offload = offload_mod.OptimizerOffload(zero.shards) if args.offload == "optimizer" else None
+    optimizer = optim.make_optimizer(offload.master if offload else zero.shards, args)
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
-    step = functools.partial(train_step, model, optimizer, zero=zero, grid=grid, args=args)
+    step = functools.partial(train_step, model, optimizer, zero=zero, offload=offload, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
@@ -92,11 +101,21 @@ def run(args, config, dataset, grid):
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)
         report = memory.MemoryReport(params, grads, states, activations)
-        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size})"))
+        where = ", on the device" if offload else ""
+        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where})"))
         expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
-        print("  ZeRO paper: " + ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
-                                           zip(("parameters", "gradients", "optimizer states"), expected)))
-    return records, zero, model, optimizer, meter
+        if offload:                   # ZeRO-Offload's split: nothing of the optimizer left on the device
+            expected, host = offload_mod.expected_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+        print("  ZeRO paper:                  " + mib_line(expected))
+        if offload:
+            print("  host (offloaded), measured:  " + mib_line(offload.host_bytes(optimizer)))
+            print("  ZeRO-Offload paper, host:    " + mib_line(host))
+    return records, zero, model, optimizer, meter, offload
+
+
+def mib_line(state_bytes) -> str:
+    return ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
+                     zip(("parameters", "gradients", "optimizer states"), state_bytes))
 
 
 def main(argv=None):

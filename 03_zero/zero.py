@@ -317,11 +317,14 @@ class ZeRO:
         return state
 
     def model_state_bytes(self, model, optimizer):
-        """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages)."""
+        """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages) on the
+        compute device: the states are those the optimizer keeps for the shards (none once offloaded)."""
         params = storage_bytes([*model.parameters(), *self.shards])
         grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
-        return params, grads, memory.optimizer_state_bytes(optimizer)
+        states = memory.tensor_bytes(v for p in self.shards for v in optimizer.state.get(p, {}).values()
+                                     if torch.is_tensor(v) and v.dim() > 0)
+        return params, grads, states
 
 
 # ======================================================================================

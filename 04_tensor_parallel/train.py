@@ -11,7 +11,8 @@ s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (16-bit); the norm regions are not d
     torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2 --mbs 4
 
 New in the step compared with 02: the collectives inside forward and backward (the model's f and f̄), and
-the gradient norm summed over the tp shards (`clip_grad_norm_tp`).
+the gradient norm summed over the tp shards (`clip_grad_norm_tp`). --partition-activations (ZeRO-R's P_a,
+partition_activations.py) keeps 1/tp of each --recompute full checkpoint per rank.
 """
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+partition_activations = import_module("04_tensor_parallel.partition_activations")
 
 
 def train_step(model, optimizer, micro_batches, ddp, grid, args):
@@ -59,6 +61,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp", "tp")
     data_parallel.add_arguments(parser)
+    partition_activations.add_arguments(parser)
     return parser
 
 
@@ -67,6 +70,7 @@ def check_layout(args, config):
     tensor_parallel.check_tensor_parallel(config, args.tp)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, tp=args.tp)
     data_parallel.check_data_parallel(args.bucket_mb)
+    partition_activations.check_partition_activations(args)
 
 
 def run(args, config, dataset, grid):
@@ -74,13 +78,18 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: shapes only
     tensor_parallel.apply_tensor_parallel(model, grid)      # sliced on shapes
     build.materialize(model, args)                          # then this rank's shards get their values
-    recompute.apply_recompute(model, args.recompute)
+    if args.partition_activations:                          # ZeRO-R P_a: checkpoints in 1/tp slices
+        partition_activations.apply_partitioned_recompute(model, grid.tp_group)
+    else:
+        recompute.apply_recompute(model, args.recompute)
     ddp = data_parallel.wrap(model, grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,
                                                        tp=grid.tp_size)
+        if args.partition_activations:                      # full recompute's L·2·s·b·h, 1/tp of it per rank
+            activations //= grid.tp_size
         memory.print_report(model, optimizer, activations, args, config,
                             f"memory per rank (dp {grid.dp_size}, tp {grid.tp_size})")
     step = functools.partial(train_step, model, optimizer, ddp=ddp, grid=grid, args=args)

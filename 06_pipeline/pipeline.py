@@ -10,6 +10,9 @@ activations (B, T, C) and come back as gradients of the same shape, sent point t
 With V model chunks per rank (interleaving), the L layers form p·V blocks of L/(p·V) layers and
 chunk c of rank r holds block c·p + r (Megatron: "device 1 holds layers 1, 2, 9, 10"), so a
 micro-batch goes round the ring of ranks V times: the last rank's chunk c feeds rank 0's chunk c+1.
+The V-shaped schedules (zb-v, dualpipev: v_schedules.py) place 2 chunks V-wise instead: rank r holds
+blocks r and 2p−1−r, so a micro-batch goes down the ranks and back up, turns on rank p−1 without a
+message, and rank 0 holds both the embedding and the loss.
 
 Communication per micro-batch and block boundary: one send of mbs·T·C elements forward and one
 backward ([PB] App. 5.3.4: 4·mbs·T·C per micro-batch counting both ends); per rank and step:
@@ -34,14 +37,16 @@ from torch import nn
 modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")             # two chunks per rank placed V-wise (v_schedules.py)
 
 
 def add_arguments(parser):
     """--pp-schedule --pp-chunks --timeline (the degree --pp is process_grid's); 08 takes them too."""
     g = parser.add_argument_group("pipeline parallelism (06; --grad-acc is the number of micro-batches m)")
     g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
-    g.add_argument("--pp-chunks", type=int, default=1, help="model chunks per rank (V, interleaved schedule)")
+    g.add_argument("--pp-chunks", type=int, default=1,
+                   help="model chunks per rank (V): interleaved, or 2 for zb-v and dualpipev")
     g.add_argument("--timeline", metavar="PATH.png",
                    help="draw the last step's executed timeline (needs matplotlib)")
     return g
@@ -53,9 +58,15 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
         raise ValueError(f"--pp and --pp-chunks must be at least 1 (got pp={pp}, pp-chunks={chunks})")
     if schedule not in SCHEDULES:
         raise ValueError(f"--pp-schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if chunks > 1 and schedule != "interleaved":
+    if schedule in V_SHAPED and chunks != 2:
+        raise ValueError(f"--pp-schedule {schedule} places two chunks per rank V-wise: pass --pp-chunks 2 "
+                         f"(got {chunks})")
+    if chunks > 1 and schedule not in ("interleaved",) + V_SHAPED:
         raise ValueError(f"--pp-chunks {chunks} needs --pp-schedule interleaved (the {schedule} schedule "
                          f"runs one chunk per rank)")
+    if schedule == "dualpipev" and grad_acc < 2 * pp:
+        raise ValueError(f"the dualpipev schedule needs --grad-acc (micro-batches) at least 2·pp = {2 * pp}, "
+                         f"got {grad_acc} (DeepSeek's DualPipeV); use --grad-acc {2 * pp}")
     if num_layers % (pp * chunks):
         raise ValueError(f"pp·pp-chunks = {pp}·{chunks} = {pp * chunks} does not divide "
                          f"num_layers={num_layers}: every stage chunk needs the same number of layers; "
@@ -68,10 +79,24 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
                          "the lm head (last stage) live on different ranks; drop --tie-embeddings")
 
 
-def layer_blocks(num_layers: int, pp: int, chunks: int, pp_rank: int):
-    """[range of layer indices of chunk c] for c < chunks: chunk c of rank r holds block c·pp + r."""
+def block_index(pp_rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The block of layers chunk c of rank r holds: c·pp + r round the ring, or V-wise r going down
+    and 2·pp − 1 − r coming back up."""
+    if v_shape:
+        return 2 * pp - 1 - pp_rank if chunk else pp_rank
+    return chunk * pp + pp_rank
+
+
+def rank_of_block(block: int, pp: int, v_shape: bool = False) -> int:
+    """The pp rank holding `block` (the inverse of block_index)."""
+    return min(block, 2 * pp - 1 - block) if v_shape else block % pp
+
+
+def layer_blocks(num_layers: int, pp: int, chunks: int, pp_rank: int, v_shape: bool = False):
+    """[range of layer indices of chunk c] for c < chunks, chunk c holding block_index(r, c)."""
     size = num_layers // (pp * chunks)
-    return [range((c * pp + pp_rank) * size, (c * pp + pp_rank + 1) * size) for c in range(chunks)]
+    blocks = [block_index(pp_rank, c, pp, v_shape) for c in range(chunks)]
+    return [range(b * size, (b + 1) * size) for b in blocks]
 
 
 # ======================================================================================
@@ -129,14 +154,14 @@ class AttachSideLoss(torch.autograd.Function):
         return grad, torch.tensor(ctx.scale, dtype=ctx.dtype, device=grad.device), None
 
 
-def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1, position_ids=None) -> nn.ModuleList:
+def build_stages(full, pp_rank: int, pp_size: int, chunks: int = 1, position_ids=None,
+                 v_shape: bool = False) -> nn.ModuleList:
     """This rank's V chunks of the full (seeded) model; the other ranks' layers are dropped.
     `position_ids` (T/cp,): the RoPE positions of this rank's tokens under context parallelism (08)."""
-    blocks = layer_blocks(full.config.num_hidden_layers, pp_size, chunks, pp_rank)
-    return nn.ModuleList(PipelineStage(full, layers, is_first=pp_rank == 0 and c == 0,
-                                       is_last=pp_rank == pp_size - 1 and c == chunks - 1,
-                                       position_ids=position_ids)
-                         for c, layers in enumerate(blocks))
+    blocks = layer_blocks(full.config.num_hidden_layers, pp_size, chunks, pp_rank, v_shape)
+    last = full.config.num_hidden_layers
+    return nn.ModuleList(PipelineStage(full, layers, is_first=layers.start == 0, is_last=layers.stop == last,
+                                       position_ids=position_ids) for layers in blocks)
 
 
 def boundary_shape(mbs: int, seq_len: int, hidden_size: int, cp: int = 1, tp: int = 1, sp: bool = False):
@@ -157,14 +182,15 @@ def single_device_name(name: str) -> str:
 # Point to point: activations forward, gradients backward
 # ======================================================================================
 def direction_groups(grid, chunks: int):
-    """{(direction, wraps): process group} with this rank's pipeline in each (collective: every rank
+    """{(direction, descends): process group} with this rank's pipeline in each (collective: every rank
     creates every pipeline's groups, in the same order).
 
-    Forward and backward messages get process groups of their own, and so does the wrap-around from
-    the last rank to the first (interleaving): NCCL runs the sends and receives between two ranks of
-    one communicator in issue order, so a send waiting for its receiver must never sit in front of a
-    receive the receiver is itself waiting to complete. Within one direction both ends issue the
-    messages in the same micro-batch order, so each channel's queue always matches."""
+    Forward and backward messages get process groups of their own, and so do the hops whose forward
+    message goes down to a lower rank (`descends`: the ring's wrap from the last rank to the first
+    under interleaving, the V's way back up under zb-v and dualpipev): NCCL runs the sends and receives
+    between two ranks of one communicator in issue order, so a send waiting for its receiver must never
+    sit in front of a receive the receiver is itself waiting to complete. Within one group every pair
+    of ranks talks one way, both ends in the same micro-batch order, so each queue always matches."""
     layout = process_grid.grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size)
     pipelines = layout.permute(0, 2, 3, 1).reshape(-1, grid.pp_size).tolist()       # (dp·cp·tp, pp)
     mine = {}
@@ -177,63 +203,80 @@ def direction_groups(grid, chunks: int):
 
 
 class P2P:
-    """Sends and receives of (mbs, T, C) tensors between neighbouring stages of one pipeline.
+    """Sends and receives of (mbs, T, C) tensors between neighbouring blocks of one pipeline.
 
     A send is asynchronous (`dist.isend`, completed at the end of the step), a receive blocks until
     its tensor has arrived (`dist.irecv(...).wait()`), so the schedule only fixes the order of the
     computations. Every message carries a tag naming (micro-batch, block boundary, direction): a
     schedule that received out of order would fail loudly instead of mixing micro-batches up.
     Each travels in the process group of its direction (`direction_groups`). The ring wraps
-    (rank p−1 -> rank 0) for interleaved chunks.
+    (rank p−1 -> rank 0) for interleaved chunks; V-wise (`v_shape`) the hop between rank p−1's two
+    blocks stays on the rank: the tensor is handed over in memory, no message.
     """
 
-    def __init__(self, pp_ranks, pp_rank: int, groups: dict, chunks: int, shape, dtype, device):
+    def __init__(self, pp_ranks, pp_rank: int, groups: dict, chunks: int, shape, dtype, device,
+                 v_shape: bool = False):
         self.ranks, self.rank, self.groups = pp_ranks, pp_rank, groups
         self.p, self.chunks, self.shape, self.dtype, self.device = len(pp_ranks), chunks, shape, dtype, device
+        self.v_shape = v_shape
         self.pending = []                                 # (work, tensor) of unfinished sends
         self.sent = []                                    # (to pp rank, micro-batch, "F"/"B") of this step
+        self.local = {}                                   # (boundary, micro-batch, direction) -> tensor
 
     def _tag(self, micro: int, boundary: int, direction: int):    # boundary b: between blocks b and b+1
         return (micro * self.p * self.chunks + boundary) * 2 + direction
 
     def _block(self, chunk: int):
-        return chunk * self.p + self.rank
+        return block_index(self.rank, chunk, self.p, self.v_shape)
+
+    def _rank_of(self, block: int):
+        return rank_of_block(block, self.p, self.v_shape)
 
     def send_forward(self, x, micro: int, chunk: int):
-        """Activations (mbs, T, C) of block b to block b+1 (the next rank)."""
-        self._send(x, (self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 0), micro, "F",
-                   wraps=self.rank == self.p - 1)
+        """Activations (mbs, T, C) of block b to block b+1."""
+        self._send(x, self._block(chunk), micro, 0)
 
     def recv_forward(self, micro: int, chunk: int):
         """Activations (mbs, T, C) from block b−1; a leaf that will collect their gradient."""
-        x = self._recv((self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 0), "F",
-                       wraps=self.rank == 0)
-        return x.requires_grad_()
+        return self._recv(self._block(chunk) - 1, micro, 0).requires_grad_()
 
     def send_backward(self, dx, micro: int, chunk: int):
-        """Gradient (mbs, T, C) w.r.t. the input of block b, to block b−1 (the previous rank)."""
-        self._send(dx, (self.rank - 1) % self.p, self._tag(micro, self._block(chunk) - 1, 1), micro, "B",
-                   wraps=self.rank == 0)
+        """Gradient (mbs, T, C) w.r.t. the input of block b, to block b−1."""
+        self._send(dx, self._block(chunk) - 1, micro, 1)
 
     def recv_backward(self, micro: int, chunk: int):
         """Gradient (mbs, T, C) w.r.t. the output of block b, from block b+1."""
-        return self._recv((self.rank + 1) % self.p, self._tag(micro, self._block(chunk), 1), "B",
-                          wraps=self.rank == self.p - 1)
+        return self._recv(self._block(chunk), micro, 1)
 
-    def _send(self, tensor, to: int, tag: int, micro: int, kind: str, wraps: bool):
+    def _peer(self, boundary: int):
+        """(pp rank at the other end of `boundary` from this rank, whether its forward hop descends)."""
+        source, target = self._rank_of(boundary), self._rank_of(boundary + 1)
+        return (target if self.rank == source else source), target < source
+
+    def _send(self, tensor, boundary: int, micro: int, direction: int):
         tensor = tensor.detach().to(self.dtype).contiguous()
-        group = self.groups[kind, wraps]
+        to, descends = self._peer(boundary)
+        if to == self.rank:                               # the V's turn: rank p−1's chunk 0 <-> chunk 1
+            self.local[boundary, micro, direction] = tensor
+            return
+        group, tag = self.groups["FB"[direction], descends], self._tag(micro, boundary, direction)
         self.pending.append((dist.isend(tensor, self.ranks[to], group=group, tag=tag), tensor))
-        self.sent.append((to, micro, kind))
+        self.sent.append((to, micro, "FB"[direction]))
 
-    def _recv(self, source: int, tag: int, kind: str, wraps: bool):
+    def _recv(self, boundary: int, micro: int, direction: int):
+        source, descends = self._peer(boundary)
+        if source == self.rank:
+            return self.local.pop((boundary, micro, direction))
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, self.ranks[source], group=self.groups[kind, wraps], tag=tag).wait()
+        dist.irecv(buffer, self.ranks[source], group=self.groups["FB"[direction], descends],
+                   tag=self._tag(micro, boundary, direction)).wait()
         return buffer
 
     def group_names(self) -> dict:
         """id(group) -> name, for the communication meter."""
-        return {id(g): f"pp_{kind}" + ("_wrap" if wraps else "") for (kind, wraps), g in self.groups.items()}
+        suffix = "_return" if self.v_shape else "_wrap"
+        return {id(g): f"pp_{kind}" + (suffix if descends else "")
+                for (kind, descends), g in self.groups.items()}
 
     def finish(self):
         """Wait for every send of the step (their buffers may be freed afterwards)."""
@@ -262,10 +305,11 @@ def clip_grad_norm_pp(params, max_norm: float, pp_group):
     return norm
 
 
-def broadcast_loss(loss, device, pp_ranks, pp_group, dp_group, dp_size: int) -> float:
-    """The last stage's loss on every rank of the pipeline, averaged over the data-parallel replicas."""
+def broadcast_loss(loss, device, source: int, pp_group, dp_group, dp_size: int) -> float:
+    """The loss of the last block (on global rank `source`: the last stage, or V-wise the first) on
+    every rank of the pipeline, averaged over the data-parallel replicas."""
     loss = torch.tensor(float(loss), dtype=torch.float64, device=device)
-    dist.broadcast(loss, src=pp_ranks[-1], group=pp_group)    # () from the last stage
+    dist.broadcast(loss, src=source, group=pp_group)          # () from the stage holding the loss
     if dp_size > 1:
         dist.all_reduce(loss, group=dp_group)
         loss /= dp_size

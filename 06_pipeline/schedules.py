@@ -11,6 +11,7 @@ Bubble fraction = idle time / useful time of a rank (playbook: t_pb / t_id):
     interleaved   (p−1)/(V·m)      (chunks are V× shorter)  ≈ p per chunk; m must be a multiple of p
     zb-h1         (p−1)(t_F+t_B−t_W)/(m(t_F+t_B+t_W))        p  (ZB paper §3.1, "ZB-H1")
                   = (p−1)/(3m) for t_F = t_B = t_W
+    zb-v, dualpipev  two chunks per rank placed V-wise: v_schedules.py
 
 Every schedule gives exactly the single-device gradients: the loss of micro-batch i is divided by m
 on the last stage and every stage accumulates its parameters' gradients over all micro-batches.
@@ -29,6 +30,8 @@ import torch
 
 pipeline = import_module("06_pipeline.pipeline")
 zero_bubble = import_module("06_pipeline.zero_bubble")
+v_schedules = import_module("06_pipeline.v_schedules")
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")        # schedules whose B leaves dW to a W pass
 
 
 @dataclass(frozen=True)
@@ -94,12 +97,15 @@ class Pipeline:
     """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
     chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
 
-    split_backward (ZB-H1): the linear layers' dW is split off the backward (zero_bubble.py) into
-    `weight_store`, which this pipeline owns; `backward_input` and `backward_weight` run the halves."""
+    split_backward (ZB-H1, ZB-V, DualPipeV): the linear layers' dW can be split off the backward
+    (zero_bubble.py) into `weight_store`, which this pipeline owns; `backward_input` and
+    `backward_weight` run the halves, `backward` still runs both at once."""
 
     def __init__(self, stages, p2p, clock=None, split_backward=False):
         self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
+        # the pp rank of the last block, which computes the loss: p − 1, or 0 V-wise
+        self.loss_rank = pipeline.rank_of_block(self.p * self.chunks - 1, self.p, p2p.v_shape)
         self.events, self.peak_held = [], 0
         self.weight_store = zero_bubble.WeightGradStore() if split_backward else None
         if split_backward:
@@ -271,14 +277,17 @@ def train_step_zb_h1(pipe, micro_batches):
 # Forward only (evaluation)
 # ======================================================================================
 def forward_only(pipe, micro_batches):
-    """Every forward pass in the interleaved order (AFAB's with one chunk), nothing kept for a backward:
-    the last stage's mean loss (0 elsewhere). Called under torch.no_grad(); the training step's timeline,
-    peak and sends are left as they were (the reports after the loop are about training)."""
+    """Every forward pass, chunk by chunk (AFAB's order with one chunk), nothing kept for a backward: the
+    last block's mean loss (0 elsewhere). A chunk's blocks come after all earlier chunks' blocks, in both
+    placements (interleaved and V), so a rank only ever waits for lower blocks: no deadlock, for any m.
+    Called under torch.no_grad(); the training step's timeline, peak and sends are left as they were (the
+    reports after the loop are about training)."""
     kept = pipe.events, pipe.peak_held, pipe.p2p.sent
     pipe.begin(micro_batches)
-    for k in range(pipe.m * pipe.chunks):
-        pipe.forward(*interleaved_order(k, pipe.p, pipe.chunks, forward=True))
-        pipe.saved.clear()                                # no backward will come for it
+    for chunk in range(pipe.chunks):
+        for micro in range(pipe.m):
+            pipe.forward(micro, chunk)
+            pipe.saved.clear()                            # no backward will come for it
     loss = pipe.finish()
     pipe.events, pipe.peak_held, pipe.p2p.sent = kept
     return loss
@@ -286,6 +295,8 @@ def forward_only(pipe, micro_batches):
 
 def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
     """Micro-batches (per chunk) whose activations a rank holds at its peak, by the schedules above."""
+    if schedule in v_schedules.ORDERS:
+        return v_schedules.peak_held(schedule, p, rank, m)
     if schedule == "afab":
         return m
     if schedule == "1f1b":
@@ -297,4 +308,5 @@ def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
 
 
 SCHEDULE_STEPS = {"afab": train_step_afab, "1f1b": train_step_1f1b,
-                  "interleaved": train_step_interleaved, "zb-h1": train_step_zb_h1}
+                  "interleaved": train_step_interleaved, "zb-h1": train_step_zb_h1,
+                  "zb-v": v_schedules.train_step_zb_v, "dualpipev": v_schedules.train_step_dualpipev}

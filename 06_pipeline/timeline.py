@@ -11,7 +11,9 @@ this file turns the events of all ranks of one pipeline into
     t_B = 2 for a fused backward, t_B = t_W = 1 when split, each /V with V chunks) and only the data
     dependencies between stages; it equals the theory exactly when a schedule is what it claims:
         afab, 1f1b: (p−1)/m     interleaved: (p−1)/(V·m)     zb-h1: (p−1)/(3m)
-    (ZB paper §3.1: ZB-H1's bubble is (p−1)(t_F+t_B−t_W) against 1F1B's (p−1)(t_F+t_B+t_W));
+        zb-v: (p−1)/(6m) (m ≥ 2p−1)     dualpipev: (p−1)/(3m), its F&B pairs replayed as one unit
+    (ZB paper §3.1: ZB-H1's bubble is (p−1)(t_F+t_B−t_W) against 1F1B's (p−1)(t_F+t_B+t_W); the V
+    schedules': `theory_bubble`);
   * `timeline_violations`: every pass starts after the passes it depends on ended (F of block b
     after F of block b−1, B after the B of block b+1, W after its B) and a rank runs one pass at a time;
   * `render_png`: one row per rank (a lane per chunk), boxes coloured and labelled by micro-batch,
@@ -25,11 +27,22 @@ from importlib import import_module
 
 import torch.distributed as dist
 
+pipeline = import_module("06_pipeline.pipeline")
 Event = import_module("06_pipeline.schedules").Event
 
 
 def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:
-    """Idle / useful time per rank with equal per-stage times (t_F = t_B = t_W for ZB-H1)."""
+    """Idle / useful time per rank with equal per-stage times (t_F = t_B = t_W for the ZB schedules).
+
+    V-wise a rank runs 2m chunk passes of each kind, 6m·t of work with t one chunk pass. ZB-V: no idle
+    inside a rank's span (ZB paper §6), only the staggered start and end, (p−1)·t; each micro-batch
+    short of the 2p−1 its pattern fills leaves 2t more. DualPipeV: DeepSeek-V3 Table 2's
+    (PP/2−1)(F&B + B − 3W) with PP = 2p chunks, F&B = t + 2t (the pair, one after the other), B = 2t
+    (whole backward), W = t: 2(p−1)·t."""
+    if schedule == "zb-v":
+        return max(p - 1, 2 * (2 * p - 1 - m)) / (6 * m)
+    if schedule == "dualpipev":
+        return (p - 1) * ((1 + 2) + 2 - 3 * 1) / (6 * m)
     if schedule == "interleaved":
         return (p - 1) / (chunks * m)
     if schedule == "zb-h1":
@@ -37,8 +50,8 @@ def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:
     return (p - 1) / m
 
 
-def _block(event, p):           # chunk c of rank r holds block c·p + r
-    return event.chunk * p + event.rank
+def _block(event, p, v_shape=False):     # chunk c of rank r holds block c·p + r, or V-wise r / 2p−1−r
+    return pipeline.block_index(event.rank, event.chunk, p, v_shape)
 
 
 def measured_bubble(events) -> float:
@@ -48,46 +61,60 @@ def measured_bubble(events) -> float:
     return sum((end - start - b) / b for b in busy) / len(ranks)
 
 
-def replay(events, p: int, chunks: int = 1) -> list:
+def replay(events, p: int, chunks: int = 1, v_shape: bool = False, pairs: bool = False) -> list:
     """The recorded order of passes of every rank, re-timed with ideal durations (see the docstring):
-    each pass starts when its rank is free and the passes it depends on have ended."""
-    split = any(e.op == "W" for e in events)
-    duration = {"F": 1 / chunks, "B": (1 if split else 2) / chunks, "W": 1 / chunks}
+    each pass starts when its rank is free and the passes it depends on have ended. A B whose W ran
+    separately is the input gradient only (t_B = 1), else the whole backward (2). `pairs` (DualPipe's
+    F&B): an F followed on its rank by a whole B runs with it as one unit, which starts when both
+    inputs are there and hands both outputs on at its end (overlapped on a GPU, DeepSeek-V3 §3.2.1)."""
+    split = {(e.rank, e.micro, e.chunk) for e in events if e.op == "W"}
+    length = {e: (2 if e.op == "B" and (e.rank, e.micro, e.chunk) not in split else 1) / chunks
+              for e in events}
     queues = {r: sorted((e for e in events if e.rank == r), key=lambda e: e.start) for r in range(p)}
     done, free, replayed = {}, [0.0] * p, []
     while any(queues.values()):
         progressed = False
         for r, queue in queues.items():
-            while queue and all(n in done for n in _needs(queue[0], p, chunks)):
-                e = queue.pop(0)
-                start = max([free[r]] + [done[n] for n in _needs(e, p, chunks)])
-                free[r] = done[e.op, e.micro, _block(e, p)] = start + duration[e.op]
-                replayed.append(Event(e.rank, e.op, e.micro, e.chunk, start, free[r]))
+            while queue:
+                paired = pairs and queue[0].op == "F" and len(queue) > 1 and length[queue[1]] * chunks == 2
+                unit = queue[:1 + paired]
+                needs = [n for e in unit for n in _needs(e, p, chunks, v_shape)
+                         if n not in {(u.op, u.micro, _block(u, p, v_shape)) for u in unit}]
+                if not all(n in done for n in needs):
+                    break
+                del queue[:len(unit)]
+                start = end = max([free[r]] + [done[n] for n in needs])
+                for e in unit:
+                    replayed.append(Event(e.rank, e.op, e.micro, e.chunk, end, end + length[e]))
+                    end += length[e]
+                for e in unit:
+                    done[e.op, e.micro, _block(e, p, v_shape)] = end
+                free[r] = end
                 progressed = True
         if not progressed:
             raise RuntimeError("the recorded order of passes deadlocks under its own dependencies")
     return replayed
 
 
-def replayed_bubble(events, p: int, chunks: int = 1) -> float:
-    return measured_bubble(replay(events, p, chunks))
+def replayed_bubble(events, p: int, chunks: int = 1, v_shape: bool = False, pairs: bool = False) -> float:
+    return measured_bubble(replay(events, p, chunks, v_shape, pairs))
 
 
-def _needs(e, p: int, chunks: int):
+def _needs(e, p: int, chunks: int, v_shape: bool = False):
     """(op, micro-batch, block) of the passes that must end before pass e starts."""
-    b, last = _block(e, p), p * chunks - 1
+    b, last = _block(e, p, v_shape), p * chunks - 1
     return {"F": [("F", e.micro, b - 1)] if b > 0 else [],
             "B": [("F", e.micro, b)] + ([("B", e.micro, b + 1)] if b < last else []),
             "W": [("B", e.micro, b)]}[e.op]
 
 
-def timeline_violations(events, p: int, chunks: int = 1) -> list:
+def timeline_violations(events, p: int, chunks: int = 1, v_shape: bool = False) -> list:
     """Human-readable list of broken dependencies or overlapping passes (empty when consistent)."""
-    at = {(e.op, e.micro, _block(e, p)): e for e in events}
+    at = {(e.op, e.micro, _block(e, p, v_shape)): e for e in events}
     problems = []
     for e in events:
-        b = _block(e, p)
-        for n in _needs(e, p, chunks):
+        b = _block(e, p, v_shape)
+        for n in _needs(e, p, chunks, v_shape):
             if n not in at:
                 problems.append(f"{e.op}{e.micro} on block {b} ran, but {n} never did")
             elif at[n].end > e.start:
@@ -99,7 +126,8 @@ def timeline_violations(events, p: int, chunks: int = 1) -> list:
     return problems
 
 
-def render_png(events, path: str, title: str, p: int, chunks: int = 1):
+def render_png(events, path: str, title: str, p: int, chunks: int = 1, v_shape: bool = False,
+               pairs: bool = False):
     """Two panels: the executed timeline (wall clock) and the same order replayed with ideal pass
     times. With V chunks each rank's row has one lane per chunk (chunk 0 on top); a box is labelled with
     its micro-batch only where the label fits inside it. matplotlib is imported here: only --timeline
@@ -110,11 +138,12 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1):
     from matplotlib.patches import Patch
 
     colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
-    passes_per_rank = len(events) / p
-    width_in, lane = max(10.0, 0.22 * passes_per_rank), 0.8 / chunks
+    passes = max(sum(e.rank == r for e in events) for r in range(p))      # V schedules: 6m boxes a row
+    width_in, lane = max(10.0, 0.22 * passes), 0.8 / chunks
     fig, axes = plt.subplots(2, 1, figsize=(width_in, (0.8 + 0.25 * (chunks - 1)) * p + 2.4), dpi=80)
+    ideal = "the same order replayed with ideal times (t_F = 1)" + (", F&B pairs as units" if pairs else "")
     panels = ((axes[0], events, 1e3, "executed: wall-clock time (ms)"),
-              (axes[1], replay(events, p, chunks), 1, "the same order replayed with ideal times (t_F = 1)"))
+              (axes[1], replay(events, p, chunks, v_shape, pairs), 1, ideal))
     for ax, panel, scale, xlabel in panels:
         t0, t1 = min(e.start for e in panel), max(e.end for e in panel)
         ax.set_xlim(0, (t1 - t0) * scale * 1.01)
@@ -155,14 +184,15 @@ def report(args, grid, events):
     if not events:                          # no step ran (a resume at the last step)
         return events
     p, m, V = grid.pp_size, args.grad_acc, args.pp_chunks
+    v_shape, pairs = args.pp_schedule in pipeline.V_SHAPED, args.pp_schedule == "dualpipev"
     theory = theory_bubble(args.pp_schedule, p, m, V)
-    measured, replayed = measured_bubble(events), replayed_bubble(events, p, V)
+    measured, replayed = measured_bubble(events), replayed_bubble(events, p, V, v_shape, pairs)
     if grid.rank == 0:
         print(f"bubble ({args.pp_schedule}, p={p}, m={m}, V={V}): measured {measured:.1%} (wall clock), "
               f"replayed {replayed:.1%} (ideal pass times), theory {theory:.1%}")
         if args.timeline:
             title = (f"{args.pp_schedule}: p={p}, m={m}" + (f", V={V}" if V > 1 else "") +
                      f" | bubble: measured {measured:.0%}, replayed {replayed:.1%}, theory {theory:.1%}")
-            render_png(events, args.timeline, title, p, V)
+            render_png(events, args.timeline, title, p, V, v_shape, pairs)
             print(f"timeline written to {args.timeline}")
     return events

@@ -5,7 +5,8 @@ exactly as in 01, then each rank keeps only its stage (pipeline.py) and runs the
 --grad-acc micro-batches (schedules.py); the last stage's loss is broadcast so every rank logs the same
 number, and the gradient norm is taken over all stages. With --dp, the dp pipelines average their
 gradients once, after the last micro-batch (02's `average_gradients`).
-Bubble (idle / useful per rank): (p−1)/m for afab and 1f1b, (p−1)/(V·m) interleaved, (p−1)/(3m) zb-h1.
+Bubble (idle / useful per rank): (p−1)/m for afab and 1f1b, (p−1)/(V·m) interleaved, (p−1)/(3m) zb-h1
+and dualpipev, (p−1)/(6m) zb-v (v_schedules.py; --pp-chunks 2, blocks placed V-wise).
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8 \\
         --timeline 1f1b.png
@@ -49,16 +50,16 @@ def train_step(pipe, optimizer, micro_batches, grid, args):
         data_parallel.average_gradients(params, grid.dp_group)     # mean over the dp pipelines
     grad_norm = pipeline.clip_grad_norm_pp(params, args.grad_clip, grid.pp_group)   # ‖g‖² summed over stages
     optimizer.step()
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
-                                   grid.dp_group, grid.dp_size), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
+                                   grid.pp_group, grid.dp_group, grid.dp_size), grad_norm
 
 
 def eval_step(pipe, micro_batches, grid, args):
     """A held-out global batch's loss: the forward passes only, then the last stage's loss to every rank."""
     with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
         loss = schedules.forward_only(pipe, micro_batches)
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
-                                   grid.dp_group, grid.dp_size)
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
+                                   grid.pp_group, grid.dp_group, grid.dp_size)
 
 
 def build_parser():
@@ -80,15 +81,16 @@ def run(args, config, dataset, grid):
     device = build.device_of(args)
     full = build.build_model(args, config)                  # on meta: shapes only
     recompute.apply_recompute(full, args.recompute)
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks)
+    v_shape = args.pp_schedule in pipeline.V_SHAPED                   # zb-v, dualpipev: blocks r and 2p−1−r
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, v_shape=v_shape)
     build.materialize(full, args, keep=stages.parameters())  # only this rank's stages get values
     del full                                                # the other stages' layers never existed
     optimizer = optim.make_optimizer(stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device)
-    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
-                              split_backward=args.pp_schedule == "zb-h1")
+                       args.pp_chunks, shape, build.param_dtype(args), device, v_shape)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
+                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     if grid.rank == 0:
         per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

@@ -65,6 +65,7 @@ def parallelize(full, args, grid, device):
         experts.apply_experts(full, args, grid)
     positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(
         grid.cp_rank, args.seq_len, device)                                  # (T/cp,) this rank's tokens
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions)   # 4. PP
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions,   # 4. PP
+                                   v_shape=args.pp_schedule in pipeline.V_SHAPED)
     recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
     return stages

@@ -10,7 +10,7 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
              over the N = dp·cp ranks; activations by 01's Korthikanti estimate for the micro-batches
              the schedule holds; the last stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
-  bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1
+  bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1 and DualPipeV, (p−1)/(6m) ZB-V
   overlap    t_comm/t_compute per dimension (App. 5.3), e.g. dp e·(N−1)/(2N·tokens)·peak/bw (E6: the
              playbook's form is dimensionally wrong) and tp e·(t−1)/(2h)·peak/bw (E9), intra- or
              inter-node by the rank order [TP, CP, PP, DP]; EXPOSED where a ratio exceeds 1
@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 cli = import_module("01_single_gpu.cli")
 memory = import_module("01_single_gpu.memory")
+pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 layout_rules = import_module("08_5d_combined.layout")
@@ -74,6 +75,12 @@ def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed
             o * params / (n if zero_stage >= 1 else 1))
 
 
+def loss_stage(layout: Layout) -> int:
+    """The pp stage holding the last layers, the head and the loss: p − 1, or 0 for the V-shaped schedules."""
+    v_shape = layout.schedule in pipeline.V_SHAPED
+    return pipeline.rank_of_block(layout.pp * layout.chunks - 1, layout.pp, v_shape)
+
+
 def stage_parameters(config, layout: Layout, stage: int):
     """(dense, expert) parameters a rank of pipeline stage `stage` holds: exactly what the trainers build."""
     h, f, V, t = config.hidden_size, config.intermediate_size, config.vocab_size, layout.tp
@@ -92,7 +99,7 @@ def stage_parameters(config, layout: Layout, stage: int):
         expert = layers * 3 * h * f * layout.num_experts // layout.ep
     else:                        # gate, up (F/t, C), down (C, F/t); GPT: fc1 (F/t, C), fc2 (C, F/t)
         dense += layers * (2 if gpt else 3) * h * f // t
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == loss_stage(layout)
     positions = gpt * config.max_position_embeddings * h                     # GPT's learned positions (s, C)
     head = 0 if config.tie_word_embeddings and first else V * h // t         # Megatron: a tied copy if pp > 1
     return dense + first * (V * h // t + positions) + last * (norm + head), expert
@@ -111,8 +118,8 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     held = schedules.peak_held(layout.schedule, layout.pp, stage, grad_acc, layout.chunks)
     activations = held * memory.activation_bytes_estimate(chunk, mbs, seq_len, e, layout.recompute,
                                                           tp=layout.tp, sp=layout.sp, cp=layout.cp)
-    last_held = schedules.peak_held(layout.schedule, layout.pp, layout.pp - 1, grad_acc, layout.chunks)
-    logits = ((stage == layout.pp - 1) * last_held * mbs * seq_len // layout.cp * config.vocab_size
+    last_held = schedules.peak_held(layout.schedule, layout.pp, loss_stage(layout), grad_acc, layout.chunks)
+    logits = ((stage == loss_stage(layout)) * last_held * mbs * seq_len // layout.cp * config.vocab_size
               // layout.tp * 4)
     return dict(parameters=states[0], gradients=states[1], optimizer=states[2], activations=activations,
                 logits=logits, held=held)
@@ -123,7 +130,8 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     h, t, cp, p, V = config.hidden_size, layout.tp, layout.cp, layout.pp, layout.chunks
     h_kv = config.num_key_value_heads * config.head_dim
     e = ACTIVATION_BYTES[layout.precision]
-    first, last = stage == 0, stage == p - 1
+    first, last = stage == 0, stage == loss_stage(layout)
+    turn = layout.schedule in pipeline.V_SHAPED and stage == p - 1      # the V turns on the rank: no message
     layers = config.num_hidden_layers // p
     tokens = mbs * seq_len // cp                                             # b·s_r
     ring = lambda n, k: 2 * (n - 1) * k // n                       # all-reduce wire bytes  # noqa: E731
@@ -156,7 +164,7 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     # --- pipeline: activations forward, gradients backward; the loss broadcast and the norm ---
     boundary = tokens // (t if layout.sp else 1) * h * e
     logged = ring(p, 8) + scalar(p) if layout.num_experts else (p - 1) * 8 // p   # loss summed / broadcast
-    comm["pp"] = m * (2 * V - first - last) * boundary + (logged + scalar(p) if p > 1 else 0)
+    comm["pp"] = m * (2 * V - first - last - 2 * turn) * boundary + (logged + scalar(p) if p > 1 else 0)
     # --- data parallelism over the cp×dp ranks that hold the same weights ---
     n = layout.dp * cp
     dense, expert = stage_parameters(config, layout, stage)

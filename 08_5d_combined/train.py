@@ -77,8 +77,8 @@ def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, exper
         zero1.gather_shards()                        # 03: the updated shards back into every replica
     if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks, grid.pp_group,
-                                   grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
+                                   grid.pp_group, grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
 
 
 def eval_step(pipe, micro_batches, grid, args):
@@ -89,8 +89,8 @@ def eval_step(pipe, micro_batches, grid, args):
         loss = schedules.forward_only(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])
     if args.num_experts:
         return experts.sum_over_stages(loss, device, grid)
-    return pipeline.broadcast_loss(loss, device, grid.pp_ranks, grid.pp_group, grid.cp_dp_group,
-                                   grid.cp_size * grid.dp_size)
+    return pipeline.broadcast_loss(loss, device, grid.pp_ranks[pipe.loss_rank], grid.pp_group,
+                                   grid.cp_dp_group, grid.cp_size * grid.dp_size)
 
 
 def state_bytes(stages, optimizer):
@@ -150,9 +150,10 @@ def run(args, config, dataset, grid):
     optimizer = optim.make_optimizer(zero1.shards if zero1 else stages.parameters(), args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device)     # (mbs, T/cp[/tp], C)
-    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB-H1: split dW off B
-                              split_backward=args.pp_schedule == "zb-h1")
+                       args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
+                       v_shape=args.pp_schedule in pipeline.V_SHAPED)
+    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
+                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,

@@ -13,7 +13,8 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
              backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
-             one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; dp4 (ep2) with
+             one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
+             with DualPipeV (grad-acc 4: its B, I and W passes under TP's collectives); dp4 (ep2) with
              4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
              (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp))
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
@@ -72,7 +73,8 @@ layout_rules = import_module("08_5d_combined.layout")
 planner = import_module("08_5d_combined.planner")
 
 STEPS = 2
-GROUPS = {"tp": {"tp"}, "cp": {"cp"}, "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap"},
+GROUPS = {"tp": {"tp"}, "cp": {"cp"},
+          "pp": {"pp", "pp_F", "pp_B", "pp_F_wrap", "pp_B_wrap", "pp_F_return", "pp_B_return"},
           "dp": {"cp_dp", "dp", "expert_dp"}, "ep": {"ep"}}
 
 
@@ -212,6 +214,8 @@ FOUR_RANKS = {
                                         ZERO1_CHECKPOINTS, "--checkpoint-every", 1, mbs=2, grad_acc=2),
     "zero1-cp2-dp2-resumed": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
                                     ZERO1_CHECKPOINTS, "--resume", mbs=2, grad_acc=2),
+    "tp2-pp2-dualpipev": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
+                                grad_acc=4),
     "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
                                         "--zero-stage", 1, grad_acc=4),
     "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),

@@ -2,7 +2,8 @@
 
 The eval loss of a step is the mean loss of the same held-out global batches in every layout: each
 trainer's eval_step runs forward only on this rank's part (its rows, its tokens, its stage, its shards)
-and reduces it as its train_step reduces the training loss. One 2-rank spawn runs 02-07 with
+and reduces it as its train_step reduces the training loss. One 2-rank spawn runs 02-07 (06 also V-wise,
+where the last block, which holds the loss, is on rank 0) with
 `--eval-every 1` for 2 steps; training and eval losses are compared with 01's (07's MoE with 07 on one
 device) in float64, where the layouts' different summation orders stay near 1e-15 relative: 1e-10 is
 far below a wrong batch or a missing shard (the loss moves in the 2nd digit). 08's layouts are checked in
@@ -30,6 +31,7 @@ LAYOUTS = {   # id: (module, flags, mbs, grad_acc): the global batch is 4 sequen
     "04-tp2": ("04_tensor_parallel.train", ["--tp", 2], 4, 1),
     "05-cp2-zigzag": ("05_sequence_context_parallel.train", ["--cp", 2, "--cp-layout", "zigzag"], 4, 1),
     "06-pp2-1f1b": ("06_pipeline.train", ["--pp", 2, "--pp-schedule", "1f1b"], 2, 2),
+    "06-pp2-zbv": ("06_pipeline.train", ["--pp", 2, "--pp-schedule", "zb-v", "--pp-chunks", 2], 1, 4),
     "07-dp2-ep2-moe": ("07_expert_parallel.train", ["--dp", 2, "--ep", 2, "--num-experts", 4], 2, 1),
 }
 

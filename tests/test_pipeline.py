@@ -4,16 +4,19 @@ Whole-model checks (real gloo ranks; one spawn per world runs several flag sets 
 checked in its own test):
 losses of every step and the final parameters equal 01's for the same global batch
 (dp·mbs·grad_acc), for pp 2 and 4, m from p to 2p+1, afab / 1f1b / interleaved (V = 1, 2) / zb-h1,
-and dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
+the V-shaped zb-v (pp 2 with m = 2p − 1 = 3, pp 4 with m 4 < 2p − 1) and dualpipev (pp 2, m 4), and
+dp2 × pp2. float32: the pipeline runs the very same operations per micro-batch as 01, but the
 gradient norm is summed per stage and then across stages, dp averages are summed in another order and
 ZB-H1 computes dW in its own W pass (06's zero_bubble.py), so results differ by float32 rounding (~1e-7
 relative); after 2 AdamW steps (whose update ~ lr·g/|g| amplifies rounding for tiny g) parameters
 agree to 1e-5 absolute, losses to 1e-6 relative.
 
 Schedule checks on what really ran: peak micro-batches held (m for AFAB, p − rank for 1F1B, p for
-ZB-H1, Megatron's warm-up + 1 for interleaved), the timeline is causally consistent, each rank ran
-m·V F and m·V B (and m W for ZB-H1), the recorded order replayed with ideal pass times gives exactly
-the theory bubble, and the point-to-point bytes equal m·(2V − [first] − [last])·mbs·T·C·4.
+ZB-H1, Megatron's warm-up + 1 for interleaved, v_schedules.peak_held V-wise), the timeline is causally
+consistent, each rank ran m·V F and m·V B (and m W for ZB-H1; V-wise exactly its schedule's order),
+the recorded order replayed with ideal pass times gives exactly the theory bubble (DualPipeV: with its
+F&B pairs as units, and (p−1)/(6m) as run, F before B), and the point-to-point bytes equal
+m·(2V − [first] − [last])·mbs·T·C·4 (V-wise m·(4 − 2[first] − 2[last]): rank p−1 turns in memory).
 """
 from importlib import import_module
 
@@ -26,6 +29,7 @@ from harness import layout_results, run_layouts
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
+v_schedules = import_module("06_pipeline.v_schedules")
 STEPS, MBS = 2, 2
 TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
 
@@ -50,6 +54,7 @@ def _check(flag_set, runs):
     flags = dict(zip(extra[::2], extra[1::2]))
     p, V, schedule = int(flags["--pp"]), int(flags.get("--pp-chunks", 1)), flags["--pp-schedule"]
     dp = int(flags["--dp"])
+    v_shape, pairs = schedule in pipeline.V_SHAPED, schedule == "dualpipev"
     layers = [a for a in extra if a == "--num-layers"] and flags["--num-layers"]
     ref_extra = ["--num-layers", layers] if layers else []
     ref_losses, ref_norms, ref_state = common.single_device_reference(*ref_extra, steps=STEPS, mbs=MBS * dp,
@@ -66,22 +71,33 @@ def _check(flag_set, runs):
             state[name] = value
         # --- memory: micro-batches whose activations a stage held at its peak ---
         assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
-        assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p}.get(schedule, m * V)
+        assert run["peak_held"] <= {"afab": m, "1f1b": p - run["pp_rank"], "zb-h1": p, "zb-v": 2 * p,
+                                    "dualpipev": 2 * p + 1}.get(schedule, m * V)
         # --- communication: activations forward, gradients backward, mbs·T·C float32 each ---
         first, last = run["pp_rank"] == 0, run["pp_rank"] == p - 1
-        assert run["sends"] == m * (2 * V - first - last), what
+        if v_shape:       # rank 0 holds the first and the last block; rank p−1 turns the V in memory
+            assert run["sends"] == m * (4 - 2 * first - 2 * last), what
+        else:
+            assert run["sends"] == m * (2 * V - first - last), what
         element = 8 if dtype == "float64" else 4
         assert run["isend_bytes"] == STEPS * run["sends"] * MBS * common.SEQ_LEN * 32 * element, what
     assert state.keys() == ref_state.keys(), f"{what}: the stages do not cover the model exactly once"
     # --- the executed timeline (rank 0's pipeline) ---
     events = runs[0]["events"]
-    assert timeline.timeline_violations(events, p, V) == [], what
+    assert timeline.timeline_violations(events, p, V, v_shape) == [], what
     for rank in range(p):
         ops = [e.op for e in events if e.rank == rank]
-        assert (ops.count("F"), ops.count("B"), ops.count("W")) == \
-            (m * V, m * V, m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
-    replayed = timeline.replayed_bubble(events, p, V)
+        assert (ops.count("F"), ops.count("B")) == (m * V, m * V), f"{what}, rank {rank}"
+        if v_shape:       # what ran is the schedule's order (its I is a B whose W runs apart)
+            order = v_schedules.ORDERS[schedule](p, rank, m)
+            assert [(e.op, e.micro, e.chunk) for e in events if e.rank == rank] == \
+                [("B" if op == "I" else op, i, chunk) for op, i, chunk in order], f"{what}, rank {rank}"
+        else:
+            assert ops.count("W") == (m if schedule == "zb-h1" else 0), f"{what}, rank {rank}"
+    replayed = timeline.replayed_bubble(events, p, V, v_shape, pairs)
     assert replayed == pytest.approx(timeline.theory_bubble(schedule, p, m, V), abs=1e-9), what
+    if pairs:             # as it ran here, each F before its paired B: the F need not wait, half the idle
+        assert timeline.replayed_bubble(events, p, V, v_shape) == pytest.approx((p - 1) / (6 * m), abs=1e-9)
     print(f"{what}: bubble measured {timeline.measured_bubble(events):.0%} (CPU wall clock, noisy), "
           f"replayed {replayed:.1%}, theory {timeline.theory_bubble(schedule, p, m, V):.1%}")
 
@@ -95,9 +111,11 @@ def _flags(pp, schedule, m, chunks=1, layers=None, dp=1, dtype="float32"):
 
 
 PP4 = dict([_flags(4, "afab", 4), _flags(4, "1f1b", 9), _flags(4, "zb-h1", 6),
-            _flags(4, "interleaved", 8, chunks=2, layers=8)])          # the command of 06's README
+            _flags(4, "interleaved", 8, chunks=2, layers=8),           # the command of 06's README
+            _flags(4, "zb-v", 4, chunks=2, layers=8)])     # V-wise: ranks 1, 2 talk both ways on both legs
 PP2 = dict([_flags(2, "afab", 5), _flags(2, "1f1b", 3), _flags(2, "zb-h1", 2),
-            _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2)])
+            _flags(2, "interleaved", 2, chunks=2), _flags(2, "interleaved", 4, chunks=2),
+            _flags(2, "zb-v", 3, chunks=2), _flags(2, "dualpipev", 4, chunks=2)])
 DP2_PP2 = dict(_flags(2, schedule, m, chunks, dp=2, dtype="float64")
                for schedule, m, chunks in (("1f1b", 3, 1), ("zb-h1", 4, 1), ("interleaved", 2, 2)))
 
@@ -146,7 +164,8 @@ def test_dp2_pp2_matches_single_device(four_ranks, layout_id):
 
 
 def test_layer_partition_and_stage_modules():
-    """Chunk c of rank r holds block c·p + r; embedding on the first chunk, norm/head/loss on the last."""
+    """Chunk c of rank r holds block c·p + r (V-wise r and 2p−1−r); embedding on the first block,
+    norm/head/loss on the last."""
     assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1)] == [[1], [5]]
     assert [list(b) for b in pipeline.layer_blocks(16, 4, 2, 1)] == [[2, 3], [10, 11]]
     assert [list(b) for b in pipeline.layer_blocks(4, 2, 1, 1)] == [[2, 3]]
@@ -158,6 +177,15 @@ def test_layer_partition_and_stage_modules():
         stages = pipeline.build_stages(full, rank, 4, chunks=2)
         assert [s.is_first for s in stages] == [rank == 0, False]
         assert [s.is_last for s in stages] == [False, rank == 3]
+        names += [pipeline.single_device_name(n) for n, _ in stages.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in full.named_parameters())
+    # V-wise (zb-v, dualpipev): rank r holds blocks r and 2p−1−r; rank 0 the embedding and the loss
+    assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1, v_shape=True)] == [[1], [6]]
+    assert [pipeline.rank_of_block(b, 4, v_shape=True) for b in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    names = []
+    for rank in range(4):
+        stages = pipeline.build_stages(full, rank, 4, chunks=2, v_shape=True)
+        assert [(s.is_first, s.is_last) for s in stages] == [(rank == 0, False), (False, rank == 0)]
         names += [pipeline.single_device_name(n) for n, _ in stages.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in full.named_parameters())
 
@@ -189,6 +217,10 @@ def test_bad_layouts_fail_before_any_process_group(capsys):
         check(8, 4, 2, "interleaved", 2, False)
     with pytest.raises(ValueError, match=r"--pp-chunks 2 needs --pp-schedule interleaved"):
         check(8, 2, 2, "1f1b", 4, False)
+    with pytest.raises(ValueError, match=r"zb-v places two chunks per rank V-wise: pass --pp-chunks 2"):
+        check(8, 2, 1, "zb-v", 4, False)
+    with pytest.raises(ValueError, match=r"dualpipev schedule needs --grad-acc .* at least 2·pp = 8, got 6"):
+        check(8, 4, 2, "dualpipev", 6, False)
     with pytest.raises(ValueError, match=r"--tie-embeddings with --pp > 1 is not supported"):
         check(4, 2, 1, "1f1b", 4, True)
     import torch.distributed as dist

@@ -233,6 +233,39 @@ def test_json_log_and_memory_report(tmp_path):
     assert memory.memory_report(model.parameters(), opt, 0).optimizer == 8 * n   # measured: exp_avg + exp_avg_sq
 
 
+def test_hfu_counts_the_recomputed_forward_and_profile_writes_a_trace(tmp_path):
+    """HFU/MFU in --json-log against the FLOP counts written out here from the model's shapes, and
+    --profile's trace: Chrome-trace JSON that parses and holds the recorded step's ops.
+
+    Per token, P matmul parameters (all but the embedding), P_L of them in the layers, L layers, h, s:
+    model FLOPs 6·P + 12·L·h·s; full recompute reruns the layers' forward, + 2·P_L + 4·L·h·s, so the
+    layers count 8 instead of 6 per parameter (4/3: Megatron's 96 vs 72·B·s·L·h²); selective reruns
+    only the attention core, + 4·L·h·s. Both ratios hold to float rounding (1e-12): the same seconds
+    divide both. The profiler skips step 1, warms up on step 2 and records step 3 (ProfilerStep#2).
+    """
+    config = modeling.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2)   # common.TINY's model
+    model = modeling.LlamaForCausalLM(config)
+    P = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    P_L = sum(p.numel() for p in model.model.layers.parameters())
+    attention = 4 * config.num_hidden_layers * config.hidden_size * common.SEQ_LEN      # one forward's
+    model_flops = 6 * P + 3 * attention
+    expected = {"full": (model_flops + 2 * P_L + attention) / model_flops,
+                "selective": (model_flops + attention) / model_flops}
+    assert (6 * P_L + 3 * attention) * 4 / 3 == 8 * P_L + 4 * attention          # the layers' 4/3
+    for mode, steps in (("full", 3), ("selective", 1)):
+        log = tmp_path / f"{mode}.jsonl"
+        profile = ("--profile", tmp_path / "trace") if mode == "full" else ()
+        common.single_device_run("--recompute", mode, "--peak-tflops", 1, "--json-log", log, *profile, steps=steps)
+        for record in map(json.loads, log.read_text().splitlines()):
+            assert record["hfu"] / record["mfu"] == pytest.approx(expected[mode], rel=1e-12), mode
+    (trace,) = (tmp_path / "trace").glob("rank0.*.pt.trace.json")
+    names = {event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert "ProfilerStep#2" in names and "ProfilerStep#1" not in names             # step 3 only
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names                     # forward/backward, AdamW
+    assert any(name.startswith("autograd::engine::evaluate_function") for name in names)   # the backward
+
+
 def test_activation_estimate_matches_playbook_formula():
     """Korthikanti et al. Table 2 (the playbook's ref. [9]), per layer in 16-bit bytes."""
     c = tiny_config()

@@ -32,6 +32,7 @@ modeling = import_module("01_single_gpu.model")
 hf_io = import_module("01_single_gpu.hf_io")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
+memory = import_module("01_single_gpu.memory")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
 tp_train = import_module("04_tensor_parallel.train")
@@ -63,7 +64,10 @@ def reference(*extra, **kw):
 def train_layout(layout, steps=3):
     """On every rank: run NN/train.py's main() for one (module, flags); losses, norms, state dict."""
     module, extra = layout
-    records, model = import_module(module).main(common.argv(*extra, steps=steps))[:2]
+    return numbers(*import_module(module).main(common.argv(*extra, steps=steps))[:2])
+
+
+def numbers(records, model):
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],                 # numpy: pickled
             {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()})  # by value
 
@@ -216,7 +220,23 @@ def tp2_run(layout):
         if torch.distributed.get_rank() == 0:
             shutil.rmtree(Path(extra[extra.index("--checkpoint-dir") + 1]) / "step_000003")
         torch.distributed.barrier()
+    if "--recompute" in extra:
+        return recompute_run(layout)
     return train_layout(layout)
+
+
+def recompute_run(layout):
+    """train_layout's numbers, with the all-gather wire bytes of the run, and what autograd keeps for
+    backward over one more forward and backward of the trained model: the peak (when the forward ends:
+    the layers' checkpoints, the head's and the loss's tensors) and what is left after the backward."""
+    module, extra = layout
+    with comm.CommMeter() as meter:
+        records, model = import_module(module).main(common.argv(*extra))[:2]
+    ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()                # (mbs 4, T): the runs' micro-batch
+    return numbers(records, model), dict(peak=saved.peak, left=saved.live, calls=dict(meter.calls),
+                                         wire=dict(meter.wire))
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +252,9 @@ def tp2_runs(tmp_path_factory):
     init, ckpt = ("--init-from", str(tmp_path / "hf")), str(tmp_path / "ckpt")
     layouts = {"tp2-checkpoints": (TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--checkpoint-every", "2"]),
                "tp2-hf-init": (TP, ["--tp", "2", *init]),
-               "tp2-resumed": (TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--resume"])}
+               "tp2-resumed": (TP, ["--tp", "2", "--checkpoint-dir", ckpt, "--resume"]),
+               "tp2-full": (TP, ["--tp", "2", "--recompute", "full"]),
+               "tp2-full-pa": (TP, ["--tp", "2", "--recompute", "full", "--partition-activations"])}
     return run_layouts(tp2_run, layouts, 2, timeout=180), init
 
 
@@ -250,6 +272,35 @@ def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tp2_runs, defa
     elif layout_id == "tp2-hf-init":
         ref = reference(*init)
     assert_matches_reference(layout_results(outcomes, layout_id), ref, tp=2)
+
+
+def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_tp(tp2_runs, default_reference):
+    """ZeRO-R's P_a at tp 2 (--recompute full --partition-activations) == 01 (tolerances above), and equal
+    to tp 2's plain full recompute exactly: the same forward is rerun on the same, re-gathered input.
+
+    Bytes, exact, per rank, L = 4 layers of input (B, T, C) = (4, 32, 32) fp32, t = 2: at the saved-tensor
+    peak of a forward and backward (the end of the forward) the layer checkpoints hold L·B·T·C·4 bytes
+    without P_a and 1/t of that with it (ZeRO §6.1), everything else (the head's and the loss's tensors,
+    RoPE's cos/sin) being the same, and the backward releases all of it. Communication: P_a adds one
+    all-gather of (t−1)/t·B·T·C·4 wire bytes per layer, micro-batch and step (3 steps × 1 micro-batch),
+    in backward, and no other call (torch's checkpoint reruns the same part of each layer either way)."""
+    outcomes, _ = tp2_runs
+    L, B, T, C, t, steps = 4, 4, common.SEQ_LEN, 32, 2, 3
+    plain, partitioned = layout_results(outcomes, "tp2-full"), layout_results(outcomes, "tp2-full-pa")
+    assert_matches_reference([run for run, _ in partitioned], default_reference, tp=t)
+    for rank, ((full_numbers, full), (pa_numbers, pa)) in enumerate(zip(plain, partitioned)):
+        assert pa_numbers[:2] == full_numbers[:2], f"rank {rank}: losses and norms"
+        for name, value in full_numbers[2].items():
+            assert (pa_numbers[2][name] == value).all(), f"rank {rank} {name}"
+        checkpoints = L * B * T * C * 4
+        assert full["peak"] - pa["peak"] == checkpoints - checkpoints // t, f"rank {rank}"
+        assert full["left"] == pa["left"] == 0, f"rank {rank}"
+        gathers = [key for key in pa["wire"] if key[0] == "all_gather"]   # the group is named by its ranks
+        assert [key for key in full["wire"] if key[0] == "all_gather"] == [] and len(gathers) == 1
+        assert pa["wire"][gathers[0]] == steps * L * (t - 1) * B * T * C * 4 // t, f"rank {rank}"
+        assert pa["calls"][gathers[0]] == steps * L, f"rank {rank}"
+        others = {key: n for key, n in pa["calls"].items() if key[0] != "all_gather"}
+        assert others == full["calls"], f"rank {rank}: P_a adds the all-gathers, nothing else"
 
 
 FOUR_RANKS = {"tp4": (TP, ["--tp", "4", "--num-kv-heads", "4"]),

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import common
-from harness import layout_results, run_layouts, run_ranks
+from harness import layout_results, run_layouts
 
 zero_mod = import_module("03_zero.zero")
+offload_mod = import_module("03_zero.offload")
 
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
 STAGES = (1, 2, 3)
@@ -24,7 +25,7 @@ STAGES = (1, 2, 3)
 def _zero_stage(stage, steps, grad_acc, extra=()):
     """One ZeRO stage on this rank (a spawn runs the stages in turn, in the same processes)."""
     zero_train = import_module("03_zero.train")
-    records, zero, model, optimizer, meter = zero_train.main(
+    records, zero, model, optimizer, meter, _ = zero_train.main(
         common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", stage, steps=steps, mbs=1,
                     grad_acc=grad_acc))
     events = list(zero.events)                  # the last step's, before full_state_dict gathers
@@ -126,18 +127,81 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas(dp4_stages, d
             assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
 
 
-def test_zero3_dp2_with_full_recompute():
+DP2_STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def dp2_runs():
+    """One 2-rank spawn for the dp 2 × mbs 1 tests below (ZeRO-3 under recompute, the offloaded stages), and
+    01's run of the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it),
+    so 01 with full recompute is every layout's reference."""
+    layouts = {"zero3-recompute": ("recompute", 3), **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES}}
+    return run_layouts(_dp2_layout, layouts, 2), single_device(DP2_STEPS, 2, 1, extra=("--recompute", "full"))
+
+
+def _dp2_layout(layout):
+    kind, stage = layout
+    if kind == "recompute":
+        return _zero_stage(stage, DP2_STEPS, 1, extra=("--recompute", "full"))
+    return _offload_stage(stage, DP2_STEPS, 1)
+
+
+def test_zero3_dp2_with_full_recompute(dp2_runs):
     """dp 2 × mbs 1 == 01 with mbs 2 for ZeRO-3 under --recompute full (tolerances as above).
 
     Recomputation re-runs each layer's forward inside backward, after the backward pre-hook has
     gathered the layer again: the hooks must leave the parameters in place for it.
     """
-    results = run_ranks(_zero_rank_dp2, 2)
-    check_against_single(results, 3, single_device(2, 2, 1, extra=("--recompute", "full")))
+    outcomes, reference = dp2_runs
+    check_against_single(layout_results(outcomes, "zero3-recompute"), 3, reference)
 
 
-def _zero_rank_dp2():
-    return _zero_stage(3, 2, 1, extra=("--recompute", "full"))
+def _offload_stage(stage, steps, grad_acc):
+    """ZeRO-s with --offload optimizer on this rank: its numbers, and where the optimizer's tensors live."""
+    records, zero, model, optimizer, _, offload = import_module("03_zero.train").main(
+        common.argv(*ODD, "--dp", world_size(), "--zero-stage", stage, "--offload", "optimizer", steps=steps,
+                    mbs=1, grad_acc=grad_acc))
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def storages(tensors):                           # the distinct buffers behind tensors (freed ones: none)
+        return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
+    device = storages([*model.parameters(), *(p.grad for p in model.parameters()), *zero.shards,
+                       *(t for u in zero.units for t in (u.full, u.shard, u.grad, u.grad_full, u.shard_grad))])
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
+                held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
+                expected=offload_mod.expected_bytes(stage, world_size(), zero.padded_bytes),
+                steps_masters=len(stepped) == len(offload.master) and
+                              {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
+                disjoint=not device & storages([*offload.master, *offload.grads, *states]),
+                adam_steps={float(state["step"]) for state in optimizer.state.values()},
+                copied_back=all(torch.equal(m, s) for m, s in zip(offload.master, offload.shards)),
+                on_host=all(t.device.type == "cpu" and t.is_pinned() == zero.shards[0].is_cuda    # pinned on a GPU
+                            for t in [*offload.master, *offload.grads, *states]))
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda stage: f"zero{stage}")
+def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_device(dp2_runs, stage):
+    """ZeRO-Offload, dp 2 × mbs 1, stages 1-3, == 01 with mbs 2 (tolerances as above: the same AdamW on the
+    same fp32 numbers, only on other tensors).
+
+    Where things live, per rank: the optimizer steps exactly offload.master, and every tensor it holds
+    (masters, host gradients, exp_avg, exp_avg_sq) is a buffer of its own, none shared with the model's
+    parameters, gradients or ZeRO's flat buffers, and all are on the CPU (pinned when the shards are on a
+    GPU; here both are the CPU, so separate buffers are what tells them apart). Bytes, exact, against offload.expected_bytes: device
+    parameters/gradients as ZeRO-s with 0 optimizer states; host master Ψ/N, gradients Ψ/N, states 2Ψ/N.
+    After the last step the device shards equal the masters (copied back), AdamW counted 2 steps.
+    """
+    outcomes, reference = dp2_runs
+    results = layout_results(outcomes, f"offload-zero{stage}")
+    check_against_single(results, stage, reference)
+    for rank, got in enumerate(results):
+        what = f"ZeRO-{stage} offload, rank {rank}"
+        device, host = got["expected"]
+        assert got["held"] == device and device[2] == 0 and got["host"] == host, what
+        assert got["steps_masters"] and got["disjoint"] and got["copied_back"] and got["on_host"], what
+        assert got["adam_steps"] == {float(DP2_STEPS)}, what
 
 
 def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
@@ -151,3 +215,6 @@ def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
             zero_train.main(common.argv(*flags))
         assert message in capsys.readouterr().err
     assert not dist.is_initialized()
+    offload_flags = dict(offload="optimizer", zero_stage=3, resume=True, device="cpu", on_nonfinite="stop")
+    with pytest.raises(ValueError, match="resume with --zero-stage 1 or 2"):   # needs a checkpoint to reach
+        offload_mod.check_offload(type("Args", (), offload_flags))
