@@ -3,9 +3,10 @@
 Every folder starts from the same model: 01's Llama built on the meta device, with the --kernels/--attn
 pieces swapped in (kernels/patch.py); each folder slices it from outside and then materialises only what
 the rank keeps (materialize.py: each parameter seeded by (--seed, its name), or read from --init-from), so
-a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed precision
-(playbook §2.1): --dtype bfloat16 keeps fp32 master weights and runs the forward and backward under bf16
-autocast; float32 and float64 run everything in that type.
+a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed
+precision (playbook §2.1, mixed_precision.py): --dtype bfloat16/float16 run forward and backward under
+autocast, over fp32 weights or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run
+everything in that type.
 """
 import os
 from importlib import import_module
@@ -15,6 +16,8 @@ import torch
 data = import_module("01_single_gpu.data")
 materialize_mod = import_module("01_single_gpu.materialize")
 modeling = import_module("01_single_gpu.model")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def device_of(args):
@@ -23,18 +26,20 @@ def device_of(args):
     return torch.device("cpu")
 
 
-def param_dtype(args):  # bfloat16 trains fp32 master weights under bf16 autocast
-    return torch.float64 if args.dtype == "float64" else torch.float32
+def param_dtype(args):
+    """The weights' dtype: the layout's (mixed_precision.py): fp32 under autocast, bf16 for bf16-16/20."""
+    return mixed_precision.layout_of(args).weights
 
 
 def activation_element_bytes(args) -> int:
-    """Bytes per activation element: 2 under bf16 autocast, else the parameters' dtype's."""
-    return 2 if args.dtype == "bfloat16" else torch.empty(0, dtype=param_dtype(args)).element_size()
+    """Bytes per activation element: 2 under bf16/fp16 autocast, else the parameters' dtype's."""
+    return 2 if args.dtype in AUTOCAST else torch.empty(0, dtype=param_dtype(args)).element_size()
 
 
 def autocast(args, device):
-    """bf16 autocast for --dtype bfloat16 (fp32 master weights stay fp32), else nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    """bf16/fp16 autocast for --dtype bfloat16/float16 (bf16 weights too: the softmax, norms and loss then run
+    in fp32, as autocast's fp32 list says), else nothing."""
+    return torch.autocast(device.type, dtype=AUTOCAST.get(args.dtype), enabled=args.dtype in AUTOCAST)
 
 
 def load_data(args):

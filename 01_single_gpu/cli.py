@@ -26,7 +26,7 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads
     "small": (512, 1408, 8, 8, 4),
     "1b": (2048, 5632, 22, 32, 4),   # TinyLlama-1.1B's shape; ~1.0B parameters with the byte vocabulary
 }
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -95,7 +95,8 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float32/float64: the whole model in that type; bfloat16: fp32 master weights + bf16 autocast")
+                   help="float32/float64: the whole model in that type; bfloat16/float16: autocast (float16 with "
+                        "loss scaling); see --precision-layout where the trainer has it")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     t.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation: selective recomputes only the attention core (Megatron)")
@@ -213,6 +214,9 @@ def check_values(args):
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
+    if args.dtype == "float16" and not hasattr(args, "loss_scale_init"):
+        raise ValueError("--dtype float16 needs dynamic loss scaling, which 01_single_gpu/train.py and "
+                         "03_zero/train.py have: use --dtype bfloat16 here")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
 

@@ -4,7 +4,8 @@
         set the learning rate                                   optim.lr_at
         this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
-        a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite
+        a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite,
+                                                                fp16's loss scaler (mixed_precision.py)
         every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
         --profile DIR: the profiler's schedule advances         metrics.profiler
@@ -64,6 +65,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     start = 0
     if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
         start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
+        if hasattr(optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters
+            optimizer.copy_masters_to_weights()
     args.lr_decay_steps = args.lr_decay_steps or args.steps
     tokens_per_step = sampler.global_batch * args.seq_len
     config = next(m.config for m in model.modules() if hasattr(m, "config"))    # a pipeline stage's too
@@ -89,15 +92,18 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
             meter = memory.saved_activation_bytes(exclude=params) if step == start else None
             with meter or contextlib.nullcontext():
                 loss, grad_norm = train_step(micro_batches)
-            skipped = guard is not None and guard.skipped
+            scaler_skipped = getattr(optimizer, "skipped", False)      # an fp16 overflow (mixed_precision.py)
+            skipped = (guard is not None and guard.skipped) or scaler_skipped
             due = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
-            log.end_step(step, loss, lr, grad_norm, skipped, evaluate if due else None)
+            log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)(),
+                         evaluate if due else None)
             if not (skipped or finite(loss, grad_norm)):
                 log.close()
                 stop_nonfinite(step, loss, grad_norm, guard is not None)
             if skipped:
+                why = "fp16 overflow: the loss scale halves" if scaler_skipped else "--on-nonfinite skip"
                 log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
-                          f"(--on-nonfinite skip: parameters and optimizer state unchanged)")
+                          f"({why}; parameters and optimizer state unchanged)")
             if meter:
                 activation_peak = meter.peak
                 log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "

@@ -1,7 +1,9 @@
 """Memory accounting per rank: parameters, gradients, optimizer states and activations.
 
 Playbook §2.1.1 and ZeRO §3. Model states are measured from the tensors that really exist on the
-rank (so a sharded run reports its shard); activations are estimated with the playbook's formula
+rank (so a sharded run reports its shard), in the dtypes of its precision layout (mixed_precision.py:
+bf16 weights and gradients, fp32 masters and accumulation buffers; `held_state_bytes` recounts them
+after a step, which the tests compare with the table printed before the first); activations are estimated with the playbook's formula
 (Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`, which follows what
 autograd stores for the backward pass (its peak over a training step is what the trainers print
 after their first step). On a GPU the allocator's peak is reported too.
@@ -102,32 +104,65 @@ class saved_activation_bytes(saved_tensors_hooks):
 class MemoryReport:
     parameters: int
     gradients: int
-    optimizer: int
+    optimizer: int                      # AdamW's moments
     activations: int
     peak_allocated: int | None = None   # CUDA caching allocator's peak, when on a GPU
+    master: int = 0                     # fp32 master weights (mixed_precision.py's bf16-16/20)
+    accumulation: int = 0               # fp32 gradient accumulation buffers (bf16-20)
+    numel: int = 0                      # the parameters these states belong to (for bytes per parameter)
+    layout: str = ""
+
+    def per_parameter(self):
+        """(weights, gradients, optimizer) bytes per parameter, split as 08's planner splits them."""
+        return (self.parameters / self.numel, (self.gradients + self.accumulation) / self.numel,
+                (self.master + self.optimizer) / self.numel)
 
     def table(self, title="memory per rank") -> str:
         rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("gradient accumulation", self.accumulation), ("master weights", self.master),
                 ("optimizer states", self.optimizer), ("activations (estimate)", self.activations)]
+        rows = [(name, v) for name, v in rows if v or name not in ("gradient accumulation", "master weights")]
         total = sum(v for _, v in rows)
-        lines = [f"{title}:"] + [f"  {name:<24}{v / 2**20:>10.2f} MiB" for name, v in rows]
+        lines = [f"{title}{' (' + self.layout + ')' if self.layout else ''}:"]
+        lines += [f"  {name:<24}{v / 2**20:>10.2f} MiB" for name, v in rows]
         lines.append(f"  {'total':<24}{total / 2**20:>10.2f} MiB")
+        if self.numel:
+            lines.append(f"  {'model states':<24}{sum(self.per_parameter()):>10.2f} bytes per parameter "
+                         f"(weights, gradients, optimizer: {' + '.join(f'{v:g}' for v in self.per_parameter())})")
         if self.peak_allocated is not None:
             lines.append(f"  {'GPU allocator peak':<24}{self.peak_allocated / 2**20:>10.2f} MiB")
         return "\n".join(lines)
 
 
-def memory_report(params, optimizer, activations: int, grad_dtype=None, optimizer_bytes=None) -> MemoryReport:
-    """Model states from the tensors this rank holds. Gradients are as large as their parameters
-    (in `grad_dtype` if given); optimizer states are measured once they exist, else AdamW's two
-    moments per parameter, in the parameters' dtype, are assumed."""
+def memory_report(params, optimizer, activations: int, optimizer_bytes=None) -> MemoryReport:
+    """Model states from the tensors this rank holds: the parameters, the master weights and gradient
+    accumulators of a mixed-precision optimizer (mixed_precision.py), allocated before the first step.
+    Gradients are as large as their parameters (backward writes .grad in the parameter's dtype); AdamW's
+    states are measured once they exist, else its two moments per tensor it steps (zeros_like) are counted."""
     params = [p for p in params if p.requires_grad]
-    grads = sum(p.numel() * (torch.empty(0, dtype=grad_dtype or p.dtype).element_size()) for p in params)
+    mine = {id(p) for p in params}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    accumulators = getattr(optimizer, "accumulators", [])
     if optimizer_bytes is None:
-        optimizer_bytes = optimizer_state_bytes(optimizer) or 2 * tensor_bytes(params)
+        optimizer_bytes = optimizer_state_bytes(optimizer) or 2 * tensor_bytes(stepped)
     peak = (torch.cuda.max_memory_allocated()
             if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-    return MemoryReport(tensor_bytes(params), grads, optimizer_bytes, activations, peak)
+    layout = getattr(optimizer, "layout", None)
+    return MemoryReport(tensor_bytes(params), tensor_bytes(params), optimizer_bytes, activations, peak,
+                        master=tensor_bytes(p for p in stepped if id(p) not in mine),
+                        accumulation=tensor_bytes(accumulators), numel=sum(p.numel() for p in params),
+                        layout=layout.name if layout else "")
+
+
+def held_state_bytes(params, optimizer) -> dict:
+    """What the rank holds right now, tensor by tensor (the report's prediction is checked against it)."""
+    params = [p for p in params if p.requires_grad]
+    mine = {id(p) for p in params}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    accumulators = getattr(optimizer, "accumulators", [])
+    return dict(parameters=tensor_bytes(params), gradients=tensor_bytes(p.grad for p in params),
+                master=tensor_bytes(p for p in stepped if id(p) not in mine),
+                accumulation=tensor_bytes(accumulators), optimizer=optimizer_state_bytes(optimizer))
 
 
 def held_bytes(tensors) -> int:
@@ -150,5 +185,6 @@ def print_report(model, optimizer, activations: int, args, config=None, title="m
     """The memory table of a rank's model states (measured from its tensors) and activations (estimate)."""
     if config is not None:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {config}")
-    grad_dtype = torch.float32 if args.dtype == "bfloat16" else None
-    print(memory_report(model.parameters(), optimizer, activations, grad_dtype).table(title))
+    report = memory_report(model.parameters(), optimizer, activations)
+    print(report.table(title))
+    return report

@@ -9,11 +9,12 @@ A trainer whose token does not pass through every parameter (07's MoE) gives its
 
 `StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
 --json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
-"mfu", "hfu"}, "eval_loss" after an evaluation, and "skipped": true for a step --on-nonfinite skip
-skipped), written by the logging rank only; --tensorboard DIR gets the same scalars and the memory (GiB:
-the GPU allocator's peak, or the process's peak RSS on the CPU) through torch.utils.tensorboard. Every
-line is strict JSON (a NaN or inf is written as null), and a resumed run first drops the lines after its
-checkpoint's step, so the file holds each step once. `profiler` is --profile DIR's torch.profiler.
+"mfu", "hfu"}, "eval_loss" after an evaluation, "skipped": true for a step --on-nonfinite skip or an fp16
+overflow skipped, and "loss_scale" under --dtype float16), written by the logging rank only; --tensorboard
+DIR gets the same scalars and the memory (GiB: the GPU allocator's peak, or the process's peak RSS on the
+CPU) through torch.utils.tensorboard. Every line is strict JSON (a NaN or inf is written as null), and a
+resumed run first drops the lines after its checkpoint's step, so the file holds each step once.
+`profiler` is --profile DIR's torch.profiler.
 """
 import json
 import math
@@ -118,7 +119,7 @@ class StepLog:
     def start_step(self):
         self.t0 = time.perf_counter()
 
-    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False,
+    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False, extra=None,
                  evaluate=None) -> dict:
         """Log the step. `evaluate()` (the held-out loss) runs after the clock stopped (tokens/s: train)."""
         if self.device.type == "cuda":
@@ -133,6 +134,7 @@ class StepLog:
             record["eval_loss"] = self.eval_loss = evaluate()
         if skipped:
             record["skipped"] = True
+        record.update(extra or {})
         self.records.append(record)
         if self.json:
             self.json.write(json_line(record))

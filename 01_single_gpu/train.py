@@ -4,16 +4,18 @@ Playbook §2.1 (anatomy of a training step, gradient accumulation, activation re
 precision). One optimizer step, `train_step` below:
 
     zero the gradients
-    for each of grad_acc micro-batches:  loss = model(x, y) / grad_acc;  loss.backward()
-    clip the gradient norm;  AdamW step (fp32 master weights)
+    for each of grad_acc micro-batches:  loss = model(x, y) / grad_acc;  (loss · S).backward()
+    unscale (÷ S), clip the gradient norm;  AdamW step on the fp32 master weights
 
 Gradient accumulation averages (does not sum) the micro-batch gradients, so global batch = mbs · grad_acc
 (· dp later) sequences and the result does not depend on the split. Around the step, 01's plumbing
 modules do the rest for every folder: cli.py (flags), build.py (device, data, seeded model), loop.py
-(LR schedule, batches, logging, checkpoints), metrics.py (MFU), memory.py (the memory table).
+(LR schedule, batches, logging, checkpoints), metrics.py (MFU), memory.py (the memory table), and
+mixed_precision.py the dtypes (--dtype, --precision-layout; S is fp16's loss scale, 1 otherwise).
 
     python 01_single_gpu/train.py --steps 200                  # the tiny Llama on Python's own sources
     python 01_single_gpu/train.py --mbs 2 --grad-acc 4 --recompute selective --json-log run.jsonl
+    python 01_single_gpu/train.py --dtype bfloat16 --precision-layout bf16-20 --grad-acc 4
 """
 import sys
 from pathlib import Path
@@ -28,8 +30,8 @@ build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 
 
@@ -40,10 +42,11 @@ def train_step(model, optimizer, micro_batches, args):
     with build.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                                  # x, y: (mbs, T)
             micro_loss = model(x, labels=y) / len(micro_batches)    # the mean over the global batch
-            micro_loss.backward()                                   # gradients accumulate in .grad
-            loss += micro_loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-    optimizer.step()
+            optimizer.scale(micro_loss).backward()                  # gradients accumulate in .grad (bf16-20:
+            loss += micro_loss.detach()                             #   in fp32 buffers); fp16: × S
+    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; what holds the gradients
+    grad_norm = torch.nn.utils.clip_grad_norm_(holders, args.grad_clip or float("inf"))
+    optimizer.step(grad_norm)                                       # fp32 masters; fp16 overflow: skipped
     return float(loss), grad_norm
 
 
@@ -51,7 +54,7 @@ def run(args, config, dataset):
     """Train on one device; returns (per-step records, trained model)."""
     model = build.materialize(build.build_model(args, config), args)      # built on meta, then given values
     recompute.apply_recompute(model, args.recompute)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # AdamW on fp32 masters
     activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                    build.activation_element_bytes(args), args.recompute)
     memory.print_report(model, optimizer, activations, args, config)
@@ -61,9 +64,15 @@ def run(args, config, dataset):
     return records, model
 
 
+def build_parser():
+    parser = cli.core_parser(__doc__.splitlines()[0])
+    mixed_precision.add_arguments(parser)
+    return parser
+
+
 def main(argv=None):
     """Returns (records, model) (tests read them)."""
-    return run(*cli.setup(cli.core_parser(__doc__.splitlines()[0]), argv))
+    return run(*cli.setup(build_parser(), argv, mixed_precision.check_precision))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,11 @@ def check_offload(args):
     if args.device == "cuda" and args.on_nonfinite == "skip":
         raise ValueError("--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
                          "with --offload optimizer, which NCCL cannot: use --on-nonfinite stop")
+    if getattr(args, "dtype", "float32") == "float16" or getattr(args, "precision_layout", "autocast") != \
+            "autocast":
+        raise ValueError("--offload optimizer keeps its own host copy of the shards as AdamW's master: use "
+                         "it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
+                         "--precision-layout bf16-16/bf16-20")
 
 
 def expected_bytes(stage, n, padded_bytes):

@@ -25,8 +25,8 @@ build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -43,14 +43,15 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     with build.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                    # x, y: (mbs, T), this rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)
-            micro_loss.backward()                     # 2-3: units reduce-scattered as their grads complete;
+            optimizer.scale(micro_loss).backward()    # 2-3: units reduce-scattered as their grads complete;
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
-    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖²
+    optimizer.unscale_gradients()                     # fp16: the shards' gradients ÷ S
+    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: an overflow)
     if offload:
         offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host
-    optimizer.step()                                  # AdamW on this rank's 1/N of the states (offload: host)
-    if offload:
+    optimizer.step(grad_norm)                         # AdamW on this rank's 1/N of the states (fp32 masters;
+    if offload:                                       #   offload: on the host)
         offload.parameters_to_device()                # the updated shard, host -> device
     zero.gather_shards()                              # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
@@ -66,6 +67,7 @@ def build_parser():
     process_grid.add_degree_arguments(parser, "dp")
     zero_mod.add_arguments(parser)
     offload_mod.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -74,16 +76,20 @@ def check_layout(args, config):
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
     zero_mod.check_zero(args)
     offload_mod.check_offload(args)
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
     """Returns (records, the ZeRO object, model, optimizer, meter, the OptimizerOffload or None)."""
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
+    precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
     zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
-                         source=build.source(model, args))  # stage 3: only this rank's shard ever exists
+                         source=build.source(model, args),  # stage 3: only this rank's shard ever exists
+                         grad_dtype=precision.accumulation)
     offload = offload_mod.OptimizerOffload(zero.shards) if args.offload == "optimizer" else None
-    optimizer = optim.make_optimizer(offload.master if offload else zero.shards, args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(offload.master if offload else zero.shards, args,
+                                                        hooks=False)   # AdamW on the fp32 masters
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
@@ -100,10 +106,13 @@ def run(args, config, dataset, grid):
                           steps=len(records)))
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)
-        report = memory.MemoryReport(params, grads, states, activations)
+        report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
+                                     layout=precision.name)
         where = ", on the device" if offload else ""
-        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where})"))
-        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where}; "
+                           f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
+        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
+                                                 sum(p.numel() for p in model.parameters()))
         if offload:                   # ZeRO-Offload's split: nothing of the optimizer left on the device
             expected, host = offload_mod.expected_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
         print("  ZeRO paper:                  " + mib_line(expected))

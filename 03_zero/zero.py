@@ -33,6 +33,7 @@ import torch.distributed as dist
 global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 optim = import_module("01_single_gpu.optim")
 comm = import_module("02_data_parallel.comm")
 
@@ -57,7 +58,7 @@ class FlatUnit:
     one not (each marked with `decays`, which 01's make_optimizer reads).
     """
 
-    def __init__(self, index, module, params, rank, size, stage, source=None):
+    def __init__(self, index, module, params, rank, size, stage, source=None, grad_dtype=None):
         params = sorted(params, key=lambda p: not optim.decays(p))            # stable: decayed first
         self.index, self.module, self.params = index, module, params
         self.offsets = [0]
@@ -87,8 +88,10 @@ class FlatUnit:
                 piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
                 self.pieces.append(piece)
         self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
-        self.grad_full = self.shard.new_zeros(self.padded) if stage == 1 else None      # (U,)
-        self.shard_grad = self.shard.new_zeros(self.hi - self.lo) if stage > 1 else None  # (U/N,)
+        grad_dtype = grad_dtype or self.shard.dtype       # bf16-20: fp32 buffers under bf16 parameters
+        self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
+        self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
+        self.grad_views = grad_dtype == self.shard.dtype  # stage 1: .grad can be a view of grad_full
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
 
     def views(self, flat):
@@ -126,10 +129,12 @@ class ZeRO:
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
     finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
-    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, grad_dtype=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
         gradient is the sum over `group` divided by it (default: the group's size, the mean); `source`:
-        where meta parameters get their values (01's materialize.Source; stage 3 never holds them all)."""
+        where meta parameters get their values (01's materialize.Source; stage 3 never holds them all);
+        `grad_dtype`: the dtype gradients are reduced and accumulated in (default: the parameters'; 01's
+        bf16-20 layout: fp32 under bf16 parameters)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage = group, stage
@@ -145,15 +150,19 @@ class ZeRO:
                                  "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
             seen.update(params)
             if params:
-                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage, source))
+                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage, source,
+                                           grad_dtype))
         materialized = {k: v for unit in self.units for k, v in getattr(unit, "materialized", {}).items()}
         for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
             materialize.swap_parameters(module, materialized)
         self.in_flight, self.events, self.callback_queued = [], [], False
         for unit in self.units:
-            for p in unit.params:
+            for p, view in zip(unit.params, unit.views(unit.grad_full) if stage == 1 else unit.params):
                 if stage > 1:
                     p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+                elif not unit.grad_views:   # bf16-20: each micro-batch's bf16 .grad added into fp32, zeroed
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, view=view: mixed_precision.accumulate(p, view))
             if stage == 3:
                 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
                 # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
@@ -186,7 +195,7 @@ class ZeRO:
         for unit in self.units:
             if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
                 unit.grad_full.zero_()
-                for p, view in zip(unit.params, unit.views(unit.grad_full)):
+                for p, view in zip(unit.params, unit.views(unit.grad_full)) if unit.grad_views else []:
                     p.grad = view
             else:
                 unit.shard_grad.zero_()
@@ -203,7 +212,11 @@ class ZeRO:
             unit.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad   # (U/N,)
             unit.grad.div_(self.divisor)
             for piece in unit.pieces:
-                piece.grad = unit.grad[piece.start:piece.start + piece.numel()]
+                grad = unit.grad[piece.start:piece.start + piece.numel()]
+                if grad.dtype == piece.dtype:
+                    piece.grad = grad
+                else:             # bf16-20: fp32, which a bf16 tensor's .grad cannot be (Megatron's name)
+                    piece.main_grad = grad
 
     def clip_gradients(self, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
@@ -243,7 +256,7 @@ class ZeRO:
             self._reduce_scatter(unit)
 
     def _reduce_scatter(self, unit):
-        flat = unit.params[0].new_zeros(unit.padded)                          # (U,)
+        flat = unit.shard_grad.new_zeros(unit.padded)                         # (U,) in the gradients' dtype
         for p, view in zip(unit.params, unit.views(flat)):
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -318,13 +331,18 @@ class ZeRO:
 
     def model_state_bytes(self, model, optimizer):
         """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages) on the
-        compute device: the states are those the optimizer keeps for the shards (none once offloaded)."""
+        compute device: the states the optimizer keeps for the shards (none once offloaded), and a mixed-
+        precision optimizer's fp32 masters of them with their states (optimizer states, as 08's planner
+        counts them)."""
         params = storage_bytes([*model.parameters(), *self.shards])
         grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
-        states = memory.tensor_bytes(v for p in self.shards for v in optimizer.state.get(p, {}).values()
+        stepped = list(self.shards)
+        if getattr(optimizer, "masters", None) is not getattr(optimizer, "params", None):   # bf16-16/20
+            stepped += optimizer.masters
+        states = memory.tensor_bytes(v for p in stepped for v in optimizer.state.get(p, {}).values()
                                      if torch.is_tensor(v) and v.dim() > 0)
-        return params, grads, states
+        return params, grads, states + storage_bytes(stepped[len(self.shards):])
 
 
 # ======================================================================================
@@ -349,7 +367,15 @@ def check_zero(args):
                          "loss of --kernels triton bypasses: use --kernels torch")
 
 
-def expected_state_bytes(stage, n, padded_bytes):
-    """The ZeRO paper's split, for AdamW (2 states) in the parameters' dtype: (params, grads, optimizer)."""
-    psi = padded_bytes
-    return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)
+def expected_state_bytes(stage, n, padded_bytes, layout=None, numel=0):
+    """The ZeRO paper's split (params, grads, optimizer) for AdamW (2 states) in the parameters' dtype, or
+    for 01's mixed-precision `layout`: Ψ padded elements of w/g bytes, g reduced in the accumulation dtype
+    a (bf16-20: 4; stage 1 also keeps the `numel` parameters' bf16 .grad), fp32 master and AdamW over N."""
+    if layout is None or layout.master is None:
+        psi = padded_bytes
+        return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)
+    w, g, o = layout.bytes_per_parameter()
+    psi = padded_bytes // w                                           # elements
+    a = g - w if layout.accumulation else w                           # bytes of the reduced gradient buffer
+    grads = (a * psi + (w * numel if layout.accumulation else 0)) if stage == 1 else a * psi // n
+    return (w * psi // n if stage >= 3 else w * psi, grads, o * psi // n)

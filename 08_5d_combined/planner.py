@@ -6,7 +6,8 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
 with the trainers' own rules and prints, per rank of the first and last pipeline stage:
 
   memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
-             2 + 2 + 12 bytes, not the cheat-sheet's 18, E8; fp32: 4 + 4 + 8), ZeRO-1/2/3 sharding
+             2 + 2 + 12 bytes, not the cheat-sheet's 18, E8: the bf16-16 layout 01 and 03 train; fp32:
+             4 + 4 + 8), ZeRO-1/2/3 sharding
              over the N = dp·cp ranks; activations by 01's Korthikanti estimate for the micro-batches
              the schedule holds; the last stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
@@ -37,14 +38,20 @@ from types import SimpleNamespace
 
 cli = import_module("01_single_gpu.cli")
 memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 layout_rules = import_module("08_5d_combined.layout")
 
-# weights, gradients, optimizer states per parameter; "mixed-fp32-grads" keeps an fp32 copy of the gradients
-# beside the bf16 ones (playbook §2.1's 20 bytes, nanotron's default), and reduces that copy over dp
-STATE_BYTES = {"mixed": (2, 2, 12), "mixed-fp32-grads": (2, 2 + 4, 12), "fp32": (4, 4, 8), "fp64": (8, 8, 16)}
+# Each --precision is the layout a trainer holds (01's mixed_precision.py, whose table gives the weights,
+# gradients, optimizer bytes per parameter): "mixed" = --dtype bfloat16 --precision-layout bf16-16 (bf16
+# weights and gradients, fp32 master + AdamW: 2 + 2 + 12); "mixed-fp32-grads" = bf16-20, an fp32 gradient
+# accumulation buffer beside the bf16 gradients (playbook §2.1's 20 bytes, nanotron's default), the copy
+# reduced over dp. (--precision-layout autocast holds fp32's 4 + 4 + 8 with 2-byte activations.)
+TRAINER_LAYOUT = {"mixed": "bf16-16", "mixed-fp32-grads": "bf16-20", "fp32": "fp32", "fp64": "fp64"}
+STATE_BYTES = {name: mixed_precision.LAYOUTS[layout].bytes_per_parameter()
+               for name, layout in TRAINER_LAYOUT.items()}
 GRADIENT_WIRE_BYTES = {"mixed": 2, "mixed-fp32-grads": 4, "fp32": 4, "fp64": 8}
 ACTIVATION_BYTES = {"mixed": 2, "mixed-fp32-grads": 2, "fp32": 4, "fp64": 8}
 
@@ -261,7 +268,8 @@ def main(argv=None):
     total = sum(stage_parameters(config, Layout(num_experts=args.num_experts), 0))   # whole model, one rank
     print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
           f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
-          f"({'+'.join(map(str, STATE_BYTES[args.precision]))} bytes/param)")
+          f"({'+'.join(map(str, STATE_BYTES[args.precision]))} bytes/param: the trainers' "
+          f"{TRAINER_LAYOUT[args.precision]} layout, 01_single_gpu/mixed_precision.py)")
     print(f"model: {total / 1e9:.3f}B parameters, h {config.hidden_size}, L {config.num_hidden_layers}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, ffn {config.intermediate_size}, "
           f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")

@@ -177,14 +177,15 @@ def test_resume_at_the_last_step_has_nothing_to_do(tmp_path, capsys):
 
 def test_json_log_on_resume_holds_each_step_once(tmp_path):
     """Run 5 steps logging every step, checkpoint at 3, then crash mid-way through a line; resuming from 3
-    rewrites steps 4 and 5 instead of appending them again, and drops the torn line."""
+    rewrites steps 4 and 5 instead of appending them again, and drops the torn line. The resume adds
+    --profile: observing a run does not change it, so the flag is free (the old code refused it)."""
     ckpt, log = tmp_path / "c", tmp_path / "log.jsonl"
     full, _ = run_01("--checkpoint-dir", ckpt, "--checkpoint-every", 3, "--json-log", log, steps=5)
     import shutil
     shutil.rmtree(ckpt / "step_000005")            # the run "died" after logging step 5 ...
     with open(log, "a") as f:
         f.write('{"step": 6, "loss": 3.')           # ... in the middle of a line
-    run_01("--checkpoint-dir", ckpt, "--resume", "--json-log", log, steps=5)
+    run_01("--checkpoint-dir", ckpt, "--resume", "--json-log", log, "--profile", tmp_path / "trace", steps=5)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in records] == full

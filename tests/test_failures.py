@@ -24,7 +24,6 @@ cli = import_module("01_single_gpu.cli")
 hf_io = import_module("01_single_gpu.hf_io")
 loop = import_module("01_single_gpu.loop")
 modeling = import_module("01_single_gpu.model")
-optim = import_module("01_single_gpu.optim")
 train01 = import_module("01_single_gpu.train")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,10 +62,10 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
     """--on-nonfinite skip with step 2's logits poisoned with NaN (a forward hook, that step only): the step
     is logged as skipped, the parameters and every optimizer tensor (moments, step counts) after it are
     bitwise those before it, and the steps around it train normally."""
-    args, config, dataset = cli.setup(cli.core_parser("t"), common.argv("--on-nonfinite", "skip", "--json-log",
-                                                                        tmp_path / "log.jsonl", steps=4))
+    args, config, dataset = cli.setup(train01.build_parser(), common.argv("--on-nonfinite", "skip", "--json-log",
+                                                                          tmp_path / "log.jsonl", steps=4))
     model = train01.build.materialize(train01.build.build_model(args, config), args)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = train01.mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # as train.run
     calls, seen = [], {}
 
     def snapshot():

@@ -1,0 +1,198 @@
+"""Mixed precision (01_single_gpu/mixed_precision.py, 03's ZeRO over it): loss scaling, the layouts' bytes.
+
+Compared: fp16's dynamic loss scaling against its rule (an overflowing step changes nothing and halves S,
+--loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
+tensor, against the memory table printed before training and the playbook's 16 and 20 bytes per parameter
+(08's planner's "mixed" rows are the same numbers); bf16 training against fp32 (close: bf16 rounding);
+and ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring).
+"""
+import json
+from importlib import import_module
+
+import pytest
+import torch
+
+import common
+
+build = import_module("01_single_gpu.build")
+cli = import_module("01_single_gpu.cli")
+memory = import_module("01_single_gpu.memory")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
+train = import_module("01_single_gpu.train")
+planner = import_module("08_5d_combined.planner")
+
+LAYOUTS = {"autocast": ("bfloat16", "autocast"), "bf16-16": ("bfloat16", "bf16-16"),
+           "bf16-20": ("bfloat16", "bf16-20"), "fp32": ("float32", "autocast")}
+
+
+def test_loss_scaler_backs_off_and_grows():
+    scaler = mixed_precision.LossScaler(1024.0, window=3)
+    seen = []
+    for overflow in (True, False, False, False, False, True, False):
+        scaler.update(overflow)
+        seen.append(scaler.scale)
+    assert seen == [512, 512, 512, 1024, 1024, 512, 512]
+
+
+def test_fp16_overflow_step_changes_nothing_and_halves_the_scale():
+    """An overflowing step (an inf gradient, so a non-finite norm) leaves the weights, AdamW's moments and
+    its step count as they were, and halves S; the next finite step runs."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(dtype="float16", precision_layout="autocast", loss_scale_init=8.0,
+                           loss_scale_window=10, lr=0.1, weight_decay=0.0)
+    layer = torch.nn.Linear(4, 3)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(layer.parameters(), args)
+    for overflow in (False, True, False):
+        optimizer.zero_grad()
+        optimizer.scale(layer(torch.ones(2, 4)).sum()).backward()
+        if overflow:
+            layer.weight.grad[0, 0] = float("inf")
+        holders = optimizer.unscale_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"))
+        before = ([p.clone() for p in layer.parameters()],
+                  [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()])
+        scale = optimizer.scaler.scale
+        optimizer.step(norm)
+        assert optimizer.skipped == overflow and optimizer.log_fields() == {"loss_scale": scale}
+        assert optimizer.scaler.scale == (scale / 2 if overflow else scale)
+        moved = [not torch.equal(p, q) for p, q in zip(layer.parameters(), before[0])]
+        assert not any(moved) if overflow else all(moved)
+        if overflow:
+            for state, old in zip(optimizer.state.values(), before[1]):
+                assert all(torch.equal(state[k], v) for k, v in old.items())
+
+
+def test_fp16_training_logs_its_loss_scale_and_skipped_steps(tmp_path):
+    """--dtype float16 from S = 2^17 with --loss-scale-window 1: step 1 is finite, so S doubles; at 2^18
+    step 2's backward overflows fp16 (found by running it), is skipped (logged, its norm inf: null) and
+    S halves; step 3 runs at 2^17."""
+    log = tmp_path / "fp16.jsonl"
+    train.main(common.argv("--loss-scale-init", 2.0 ** 17, "--loss-scale-window", 1, "--json-log", log,
+                           steps=3, dtype="float16"))
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["loss_scale"] for r in logged] == [2.0 ** 17, 2.0 ** 18, 2.0 ** 17]
+    assert [r.get("skipped", False) for r in logged] == [False, True, False]
+    assert [r["grad_norm"] is None for r in logged] == [False, True, False]
+
+
+def _layout_states(layout):
+    """The memory table's numbers before training, what the rank holds after one step of two micro-batches,
+    the trained and the initial parameters (fp32 copies)."""
+    dtype, precision = LAYOUTS[layout]
+    argv = common.argv("--precision-layout", precision, steps=1, grad_acc=2, dtype=dtype)
+    args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
+    model = build.materialize(build.build_model(args, config), args)
+    initial = {k: v.float().clone() for k, v in model.state_dict().items()}
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
+    report = memory.memory_report(model.parameters(), optimizer, activations=0)
+    data = import_module("01_single_gpu.data")
+    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
+    train.train_step(model, optimizer, [sampler.micro_batch(0, m) for m in range(2)], args)   # lr 3e-3
+    trained = {k: v.float().clone() for k, v in model.state_dict().items()}
+    return report, memory.held_state_bytes(model.parameters(), optimizer), trained, initial
+
+
+@pytest.fixture(scope="module")
+def layout_states():
+    return {layout: _layout_states(layout) for layout in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout,total,planned", [("autocast", 16, "fp32"), ("bf16-16", 16, "mixed"),
+                                                   ("bf16-20", 20, "mixed-fp32-grads"), ("fp32", 16, "fp32")])
+def test_memory_table_is_what_the_rank_holds(layout_states, layout, total, planned):
+    """The table printed before the first step (parameters, gradients, fp32 accumulators, fp32 masters,
+    AdamW's moments) equals, byte for byte, the tensors held after a step of grad_acc 2; per parameter
+    that is the playbook's 16 (bf16 2 + 2 + master 4 + Adam 8; fp32 4 + 4 + 8) or 20 (+ the fp32
+    accumulation buffer 4), split exactly as 08's planner's row for the same precision."""
+    report, held, _, _ = layout_states[layout]
+    assert held == dict(parameters=report.parameters, gradients=report.gradients, master=report.master,
+                        accumulation=report.accumulation, optimizer=report.optimizer)
+    assert sum(report.per_parameter()) == total
+    assert report.per_parameter() == planner.model_states(1, 1, 0, planned)
+
+
+@pytest.mark.parametrize("layout", ["autocast", "bf16-16", "bf16-20"])
+def test_bf16_layouts_train_close_to_fp32(layout_states, layout):
+    """After an AdamW step the weights' distance to fp32's run is a small part of how far fp32 moved
+    them (measured on a 2-core CPU: autocast 0.067, bf16-16 and bf16-20 0.097; bound 0.25), and nonzero
+    (the layout is not ignored; after one step bf16-16 and bf16-20 agree, since AdamW's first update is
+    ±lr whatever the gradient's rounding). AdamW's m/√v is about ±lr
+    whatever the gradient's size, so bf16 rounding of a gradient near zero can flip an update's sign:
+    elementwise bounds would be ±2·lr; the norm of the difference is the meaningful measure."""
+    _, _, fp32, initial = layout_states["fp32"]
+    _, _, trained, _ = layout_states[layout]
+    moved = sum((fp32[k] - initial[k]).norm() ** 2 for k in fp32) ** 0.5
+    apart = sum((trained[k] - fp32[k]).norm() ** 2 for k in fp32) ** 0.5
+    assert 0 < apart < 0.25 * moved
+
+
+# ======================================================================================
+# ZeRO (03) over the bf16 layouts: dp 2 against 01's run of the same layout
+# ======================================================================================
+# every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
+# fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
+ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
+             "bf16-20-zero3": ("bf16-20", 3)}
+
+
+def _zero_layout(layout_and_stage):
+    layout, stage = layout_and_stage
+    import torch.distributed as dist
+    zero_mod = import_module("03_zero.zero")
+    records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(common.argv(
+        "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
+        steps=2, mbs=1, dtype="bfloat16"))
+    numel = sum(p.numel() for p in model.parameters())
+    return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model),
+                held=zero.model_state_bytes(model, optimizer),
+                expected=zero_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
+                                                       optimizer.layout, numel))
+
+
+@pytest.fixture(scope="module")
+def zero_dp2():
+    from harness import run_layouts
+    return run_layouts(_zero_layout, ZERO_RUNS, 2)
+
+
+@pytest.fixture(scope="module")
+def single_device_layouts():
+    """01 with mbs 1 × grad_acc 2 in each layout: (losses, final state)."""
+    out = {}
+    for layout in ("bf16-16", "bf16-20"):
+        records, model = train.main(common.argv("--precision-layout", layout, "--grad-clip", 0, steps=2,
+                                                mbs=1, grad_acc=2, dtype="bfloat16"))
+        out[layout] = [r["loss"] for r in records], model.state_dict()
+    return out
+
+
+@pytest.mark.parametrize("run", ZERO_RUNS)
+def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single_device_layouts, run):
+    """ZeRO-1/2/3, dp 2 × mbs 1, bf16-16 and bf16-20, == 01 with mbs 1 × grad_acc 2 in the same layout:
+    losses and final bf16 parameters bitwise. Why equal, not close: each rank's micro-batch gradient is
+    computed exactly as 01 computes that micro-batch's (the same rows, mbs 1; 01's 1/grad_acc is a power
+    of two, which commutes with rounding); two addends sum to the same correctly rounded number in any
+    order (bf16-16: bf16, in autograd or in the reduce-scatter; bf16-20: fp32); AdamW is elementwise on
+    the fp32 masters. --grad-clip 0 because the norms are summed in different orders (the ZeRO tests
+    bound that). The memory held per rank is zero.py's formula for the layout, exactly."""
+    from harness import layout_results
+    layout, stage = ZERO_RUNS[run]
+    results = layout_results(zero_dp2, run)
+    losses, state = single_device_layouts[layout]
+    for rank, got in enumerate(results):
+        assert got["losses"] == losses, f"rank {rank}"
+        for name, p in state.items():
+            assert got["state"][name].dtype == torch.bfloat16 and torch.equal(got["state"][name], p), name
+        assert got["held"] == got["expected"], f"rank {rank}"
+
+
+def test_bf16_20_resumes_bitwise_from_its_fp32_masters(single_device_layouts, tmp_path):
+    """A checkpoint stores what AdamW steps, the fp32 masters (and their moments); --resume fills them and
+    rounds them into the bf16 weights, so 1 step + resume + 1 step == 2 steps, bit for bit."""
+    flags = ("--precision-layout", "bf16-20", "--grad-clip", 0, "--checkpoint-dir", tmp_path)
+    train.main(common.argv(*flags, steps=1, mbs=1, grad_acc=2, dtype="bfloat16"))
+    records, model = train.main(common.argv(*flags, "--resume", steps=2, mbs=1, grad_acc=2, dtype="bfloat16"))
+    losses, state = single_device_layouts["bf16-20"]
+    assert [r["loss"] for r in records] == losses[1:]
+    for name, p in model.state_dict().items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, state[name]), name
