@@ -39,7 +39,8 @@ FREE_FLAGS = {"steps", "mbs", "grad_acc", "dtype", "device", "recompute", "kerne
               "resume", "overwrite", "timeout_s", "on_nonfinite", "timeline", "dp_mode", "bucket_mb",
               "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step",
               "dp", "tp", "pp", "cp", "ep", "pp_chunks", "sp", "zero_stage", "precision_layout",
-              "loss_scale_init", "loss_scale_window", "profile", "offload", "partition_activations"}
+              "loss_scale_init", "loss_scale_window", "profile", "offload", "partition_activations",
+              "eval_every", "plot", "tensorboard"}   # not --eval-batches: its windows leave the training data
 
 
 def _world():

@@ -121,6 +121,14 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     o.add_argument("--profile", metavar="DIR",
                    help="torch.profiler trace of steps 3-5 (wait 1, warm up 1, record 3) into DIR, one file per "
                         "rank, for Perfetto or TensorBoard")
+    o.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps and after the last, the loss on held-out data (0: no held-out split)")
+    o.add_argument("--eval-batches", type=int, default=2, metavar="K",
+                   help="global batches held out for evaluation: the data's last K·dp·mbs·grad_acc windows")
+    o.add_argument("--plot", metavar="DIR", help="at the end, loss.png (train and eval loss) and memory.png "
+                                                 "(model states and activations per rank) in DIR")
+    o.add_argument("--tensorboard", metavar="DIR",
+                   help="TensorBoard event files in DIR (pip install tensorboard)")
     o.add_argument("--checkpoint-dir", metavar="DIR")
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
     o.add_argument("--keep-last", type=int, default=0, metavar="N",
@@ -181,7 +189,7 @@ def check_values(args):
                  "num_layers", "num_heads", "num_kv_heads", *optional]:
         if getattr(args, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
-    for name in ("warmup_steps", "checkpoint_every", "keep_last"):
+    for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
     for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
@@ -199,6 +207,10 @@ def check_values(args):
     for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
         if getattr(args, name) and not args.checkpoint_dir:
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
+    if args.eval_batches < 1:
+        raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if not args.eval_every:   # no held-out split: training reads the whole dataset (--resume compares it)
+        args.eval_batches = 0
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
@@ -218,6 +230,14 @@ def check_inputs(args):
     if args.profile:
         check_output_folder(args.profile, "--profile")
     check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
+    if args.plot:
+        check_output_folder(args.plot, "--plot")
+    if args.tensorboard:
+        check_output_folder(args.tensorboard, "--tensorboard")
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes its event files)
+        except ImportError:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
     sources.check_tokenizer(args.tokenizer)
     if args.init_from:
@@ -284,6 +304,10 @@ def setup(parser, argv=None, check_layout=None):
         if check_layout is not None:
             check_layout(args, config)
         dataset = data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
+        held_out = args.eval_batches * global_batch_of(args)
+        if held_out and held_out >= len(dataset):
+            raise ValueError(f"--eval-batches {args.eval_batches} holds out {held_out} of the {len(dataset)} "
+                             f"windows of {args.dataset}, leaving none to train on: lower --eval-batches")
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     return args, config, dataset

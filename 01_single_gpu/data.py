@@ -13,7 +13,8 @@ everything that changes the tokens (files, text column, tokenizer content, seq_l
 Sampling is a pure function of (seed, step): the global batch of step s is the samples
 [s·G, (s+1)·G) of a seeded permutation per epoch, with G = dp·mbs·grad_acc. Data-parallel rank r
 reads its own M rows of each micro-batch, so `--dp D --mbs M` sees exactly the global batch of
-`--mbs D·M` on one device, and resuming only needs the step number.
+`--mbs D·M` on one device, and resuming only needs the step number. With --eval-every the last
+eval_batches·G windows are held out (`split_held_out`) and sampled the same way for evaluation.
 """
 import hashlib
 import io
@@ -232,6 +233,29 @@ def build_dataset(source: str, tokenizer, seq_len: int, cache_dir=DEFAULT_CACHE,
                     _build(source, kind, files, text_column, tokenizer, seq_len + 1, Path(scratch))
                     os.replace(Path(scratch) / "windows.npy", target)
     return TokenWindows(target)
+
+
+class WindowRange:
+    """Windows [start, stop) of a dataset, indexed from 0 (the training part or the held-out part)."""
+
+    def __init__(self, dataset, start: int, stop: int):
+        self.dataset, self.start, self.stop = dataset, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int) -> dict:
+        return self.dataset[self.start + i]
+
+
+def split_held_out(dataset, held_out: int):
+    """(training windows, held-out windows): the last `held_out` windows are never trained on.
+
+    A contiguous tail, not a random sample: windows are packed from a stream of documents, so random
+    windows would share documents with the training ones. The split depends only on the dataset and
+    `held_out` (eval batches × the global batch), the same in every parallel layout."""
+    return WindowRange(dataset, 0, len(dataset) - held_out), WindowRange(dataset, len(dataset) - held_out,
+                                                                        len(dataset))
 
 
 class GlobalBatchSampler:

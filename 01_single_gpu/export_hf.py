@@ -22,8 +22,9 @@ hf_io = import_module("01_single_gpu.hf_io")
 modeling = import_module("01_single_gpu.model")
 
 
-def export(checkpoint_dir, out, step=None):
-    """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step."""
+def read_checkpoint(checkpoint_dir, step=None):
+    """(step, LlamaConfig, {01's parameter name: full tensor}, manifest) of checkpoint `step` (default: the
+    newest usable) of `checkpoint_dir`, whatever layout saved it; generate.py samples from it."""
     step = checkpoint.newest_usable(checkpoint_dir).step if step is None else step
     folder = Path(checkpoint_dir) / f"step_{step:06d}"
     problem, manifest = checkpoint.verify(folder)
@@ -48,6 +49,12 @@ def export(checkpoint_dir, out, step=None):
         state[name] = assembler.full(name, "value", read(first, "value").dtype)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return step, config, state, manifest
+
+
+def export(checkpoint_dir, out, step=None):
+    """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step."""
+    step, config, state, _ = read_checkpoint(checkpoint_dir, step)
     hf_io.save_hf_state(state, config, out)
     return step
 

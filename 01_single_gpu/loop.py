@@ -6,19 +6,26 @@
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
         a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite,
                                                                 fp16's loss scaler (mixed_precision.py)
+        every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
         --profile DIR: the profiler's schedule advances         metrics.profiler
+    --plot: the loss curve and every rank's measured memory     plots.py
 
 Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
 file and nothing else differs between folders. `--resume` first restores the checkpoint `cli.parse_args`
 chose and checked (the newest usable one of the same run and layout). The first step of a run is
 measured: the peak of what autograd saved for backward is the rank's activation memory
 (memory.saved_activation_bytes). With several ranks a watchdog ends a rank whose step has not finished
-for --timeout-s seconds (a stalled peer: watchdog.py).
+for --timeout-s seconds (a stalled peer: watchdog.py). Evaluation reads the held-out windows through the
+same sampler and the trainer's `eval_step` (forward only, the global batch's mean loss), so every layout
+evaluates the same batches and logs the same eval loss.
 """
 import contextlib
 import math
 from importlib import import_module
+
+import torch
+import torch.distributed as dist
 
 build = import_module("01_single_gpu.build")
 checkpoint = import_module("01_single_gpu.checkpoint")
@@ -27,22 +34,34 @@ data = import_module("01_single_gpu.data")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
+plots = import_module("01_single_gpu.plots")
 watchdog = import_module("01_single_gpu.watchdog")
 
 
-def train(args, train_step, model, optimizer, dataset, flops_per_token: int, grid=None, layout=None):
+def train(args, train_step, model, optimizer, dataset, flops_per_token: int, grid=None, layout=None,
+          eval_step=None):
     """Run --steps optimizer steps of `train_step(micro_batches) -> (global loss, grad norm)`.
 
     `model` is what this rank checkpoints (its shards, its stages), `grid` (02's ProcessGrid, None on one
     device) says which rows of each global batch this rank reads (its dp coordinate) and who logs, and
     `layout` (the parallel degrees) is saved with checkpoints and checked on --resume. `flops_per_token`
-    is the model's (MFU); --recompute's extra forward is added here (HFU). Returns the records.
+    is the model's (MFU); --recompute's extra forward is added here (HFU).
+    `eval_step(micro_batches) -> global mean loss` runs forward only (--eval-every). Returns the records.
     """
     device = build.device_of(args)
     dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
     is_logging_rank = grid is None or grid.rank == 0
     layout = layout or {}
+    global_batch = args.mbs * args.grad_acc * dp_size
+    dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
     sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
+    eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
+
+    def batches(of, step):   # this rank's grad_acc × (x, y), (mbs, T) each, of global batch `step`
+        return [tuple(t.to(device) for t in of.micro_batch(step, m, dp_rank)) for m in range(args.grad_acc)]
+
+    def evaluate():          # the mean over the held-out global batches, the same in every layout
+        return sum(eval_step(batches(eval_sampler, k)) for k in range(args.eval_batches)) / args.eval_batches
     start = 0
     if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
         start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
@@ -59,6 +78,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     params = [p for p in model.parameters() if p.requires_grad]
     guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None
     several = grid is not None and grid.world_size > 1
+    activation_peak = 0
     profiler = metrics.profiler(args.profile, device, grid.rank if grid else 0)
     with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog, \
             profiler or contextlib.nullcontext():
@@ -66,8 +86,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
             log.start_step()
             lr = optim.lr_at(step, args)
             optim.set_lr(optimizer, lr)
-            micro_batches = [tuple(t.to(device) for t in sampler.micro_batch(step, m, dp_rank))
-                             for m in range(args.grad_acc)]                   # grad_acc × (x, y), (mbs, T) each
+            micro_batches = batches(sampler, step)                   # grad_acc × (x, y), (mbs, T) each
             # The run's first step follows what autograd saves for backward: its peak is the measured
             # activation memory (the setup table shows Korthikanti's estimate).
             meter = memory.saved_activation_bytes(exclude=params) if step == start else None
@@ -75,7 +94,9 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                 loss, grad_norm = train_step(micro_batches)
             scaler_skipped = getattr(optimizer, "skipped", False)      # an fp16 overflow (mixed_precision.py)
             skipped = (guard is not None and guard.skipped) or scaler_skipped
-            log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)())
+            due = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+            log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)(),
+                         evaluate if due else None)
             if not (skipped or finite(loss, grad_norm)):
                 log.close()
                 stop_nonfinite(step, loss, grad_norm, guard is not None)
@@ -84,6 +105,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                 log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
                           f"({why}; parameters and optimizer state unchanged)")
             if meter:
+                activation_peak = meter.peak
                 log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
                           f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
             if args.checkpoint_dir and (step + 1 == args.steps or
@@ -101,9 +123,32 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     if profiler and is_logging_rank:
         print(f"profile: a trace of steps {start + 3}-{min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)} in "
               f"{args.profile} (open it in ui.perfetto.dev or TensorBoard)")
+    if args.plot and start < args.steps:
+        mine = memory.measured_state(model, optimizer, activation_peak)          # this rank's bytes
+        everyone = gather_to_all(mine, grid.world_size) if several else [mine]
+        if is_logging_rank:
+            print(f"plots: {plots.loss_curve(log.records, args.plot)}, "
+                  f"{plots.memory_bars(everyone, args.plot)}")
     if log.records and is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
     return log.records
+
+
+def mean_loss(model, micro_batches, args, positions=None) -> torch.Tensor:
+    """Forward only: this rank's mean loss over its micro-batches (the local part of every eval_step).
+    `positions` (T/cp,): context parallelism's tokens of each sequence (05)."""
+    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+        if positions is None:
+            return sum(model(x, labels=y) for x, y in micro_batches) / len(micro_batches)
+        return sum(model(x[:, positions], labels=y[:, positions], position_ids=positions)   # (mbs, T/cp)
+                   for x, y in micro_batches) / len(micro_batches)
+
+
+def gather_to_all(mine, world_size: int) -> list:
+    """Every rank's `mine`, in rank order, on every rank."""
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def finite(loss: float, grad_norm) -> bool:

@@ -165,6 +165,22 @@ def held_state_bytes(params, optimizer) -> dict:
                 accumulation=tensor_bytes(accumulators), optimizer=optimizer_state_bytes(optimizer))
 
 
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: what the rank really holds (a ZeRO-3 parameter whose
+    storage is freed counts 0, views of one flat buffer count it once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t is not None}
+    return sum(storages.values())
+
+
+def measured_state(model, optimizer, activations: int) -> dict:
+    """This rank's memory after a step, measured: the parameters and gradients it holds (the model's and the
+    optimizer's tensors, e.g. ZeRO's shards), AdamW's states, and `activations` (the measured peak)."""
+    params = [*model.parameters(), *(p for group in optimizer.param_groups for p in group["params"])]
+    return {"parameters": held_bytes(params), "gradients": held_bytes(p.grad for p in params),
+            "optimizer": optimizer_state_bytes(optimizer), "activations": activations}
+
+
 def print_report(model, optimizer, activations: int, args, config=None, title="memory per rank"):
     """The memory table of a rank's model states (measured from its tensors) and activations (estimate)."""
     if config is not None:

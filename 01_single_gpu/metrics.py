@@ -9,14 +9,17 @@ A trainer whose token does not pass through every parameter (07's MoE) gives its
 
 `StepLog` is the one place that prints: a tqdm bar (or one line per step with --no-progress), and
 --json-log PATH with one JSON object per step ({"step", "loss", "lr", "grad_norm", "tokens_per_s",
-"mfu", "hfu"}, "skipped": true for a step --on-nonfinite skip or an fp16 overflow skipped, and "loss_scale"
-under --dtype float16), written by the logging rank only. Every line is strict JSON (a NaN or inf is
-written as null), and a resumed run first drops the lines after its checkpoint's step, so the file holds
-each step once. `profiler` is --profile DIR's torch.profiler.
+"mfu", "hfu"}, "eval_loss" after an evaluation, "skipped": true for a step --on-nonfinite skip or an fp16
+overflow skipped, and "loss_scale" under --dtype float16), written by the logging rank only; --tensorboard
+DIR gets the same scalars and the memory (GiB: the GPU allocator's peak, or the process's peak RSS on the
+CPU) through torch.utils.tensorboard. Every line is strict JSON (a NaN or inf is written as null), and a
+resumed run first drops the lines after its checkpoint's step, so the file holds each step once.
+`profiler` is --profile DIR's torch.profiler.
 """
 import json
 import math
 import os
+import resource
 import time
 from importlib import import_module
 from pathlib import Path
@@ -104,6 +107,11 @@ class StepLog:
         self.json = None
         if args.json_log and is_logging_rank:
             self.json = open_json_log(args.json_log, start, args.resume)
+        self.tensorboard = None
+        if args.tensorboard and is_logging_rank:
+            from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard` (cli checks)
+            self.tensorboard = SummaryWriter(args.tensorboard, purge_step=start + 1 if args.resume else None)
+        self.eval_loss = None
         self.bar = tqdm(total=args.steps, initial=start, disable=not is_logging_rank or args.no_progress,
                         desc="train", dynamic_ncols=True)
         self.t0 = time.perf_counter()
@@ -111,7 +119,9 @@ class StepLog:
     def start_step(self):
         self.t0 = time.perf_counter()
 
-    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False, extra=None) -> dict:
+    def end_step(self, step: int, loss: float, lr: float, grad_norm, skipped: bool = False, extra=None,
+                 evaluate=None) -> dict:
+        """Log the step. `evaluate()` (the held-out loss) runs after the clock stopped (tokens/s: train)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # honest step times on an asynchronous device
         seconds = time.perf_counter() - self.t0
@@ -120,6 +130,8 @@ class StepLog:
                   "tokens_per_s": self.tokens_per_step / seconds,
                   "mfu": self.flops_per_step / seconds / peak if peak else None,
                   "hfu": self.hardware_flops_per_step / seconds / peak if peak else None}
+        if evaluate is not None:
+            record["eval_loss"] = self.eval_loss = evaluate()
         if skipped:
             record["skipped"] = True
         record.update(extra or {})
@@ -127,17 +139,36 @@ class StepLog:
         if self.json:
             self.json.write(json_line(record))
             self.json.flush()
+        if self.tensorboard:
+            self.write_tensorboard(record)
         if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
             mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB" if self.device.type == "cuda"
                    else "-")
             mfu, hfu = (f"{record[k]:.1%}" if self.peak else "n/a" for k in ("mfu", "hfu"))
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, hfu=hfu,
-                                 mem=mem)
+            shown = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}   # the latest one
+            self.bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu,
+                                 hfu=hfu, mem=mem)
             if self.args.no_progress:
-                print(f"step {step + 1:>5} | loss {loss:.4f} | lr {lr:.2e} | tok/s {record['tokens_per_s']:.0f} "
-                      f"| mfu {mfu} | hfu {hfu} | mem {mem}", flush=True)
+                evaluated = f" | eval {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+                print(f"step {step + 1:>5} | loss {loss:.4f}{evaluated} | lr {lr:.2e} | "
+                      f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | hfu {hfu} | mem {mem}", flush=True)
         self.bar.update(1)
         return record
+
+    def write_tensorboard(self, record: dict):
+        """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""
+        step = record["step"]
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "hfu"):
+            if record[key] is not None:
+                self.tensorboard.add_scalar(f"train/{key}", record[key], step)
+        if "eval_loss" in record:
+            self.tensorboard.add_scalar("eval/loss", record["eval_loss"], step)
+        if self.device.type == "cuda":
+            self.tensorboard.add_scalar("memory/gpu_peak_allocated_gib",
+                                        torch.cuda.max_memory_allocated(self.device) / 2**30, step)
+        else:   # Linux reports ru_maxrss in KiB
+            self.tensorboard.add_scalar("memory/peak_rss_gib",
+                                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, step)
 
     def write(self, line: str):
         """A line from the logging rank that does not break the bar."""
@@ -148,6 +179,8 @@ class StepLog:
         self.bar.close()
         if self.json:
             self.json.close()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 def profiler(folder, device, rank: int):

@@ -59,7 +59,8 @@ def run(args, config, dataset):
                                                    build.activation_element_bytes(args), args.recompute)
     memory.print_report(model, optimizer, activations, args, config)
     records = loop.train(args, functools.partial(train_step, model, optimizer, args=args), model, optimizer,
-                         dataset, metrics.flops_per_token(config, args.seq_len))
+                         dataset, metrics.flops_per_token(config, args.seq_len),
+                         eval_step=lambda micro_batches: float(loop.mean_loss(model, micro_batches, args)))
     return records, model
 
 

@@ -121,6 +121,7 @@ class CommMeter:
         self.payload = defaultdict(int)
         self.wire = defaultdict(int)
         self._saved = {}
+        self.paused = False
 
     def _group_name(self, group):
         if group is None or group is dist.group.WORLD:
@@ -128,6 +129,8 @@ class CommMeter:
         return self.group_names.get(id(group), f"group{dist.get_process_group_ranks(group)}")
 
     def _count(self, op, group, args):
+        if self.paused:
+            return
         payload, wire = _wire_bytes(op, dist.get_world_size(group), group, args)
         key = (op.replace("_single", "").replace("_into_tensor", "").replace("_tensor", ""),
                self._group_name(group))
@@ -170,6 +173,17 @@ class CommMeter:
         for op, fn in self._saved.items():
             setattr(dist, op, fn)
         self._saved.clear()
+
+    def unmetered(self, fn):
+        """`fn`, whose calls are not counted: evaluation's forward passes (the tables are per step)."""
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            self.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused = False
+        return run
 
     def reset(self):
         self.calls.clear(), self.payload.clear(), self.wire.clear()

@@ -63,6 +63,13 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
     return data_parallel.global_mean(loss, grid.cp_dp_group), grad_norm
 
 
+def eval_step(model, micro_batches, grid, args):
+    """A held-out global batch's loss, forward only: this rank's tokens of its rows, mean over cp×dp."""
+    positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(
+        grid.cp_rank, args.seq_len, micro_batches[0][0].device)                                # (T/cp,)
+    return data_parallel.global_mean(loop.mean_loss(model, micro_batches, args, positions), grid.cp_dp_group)
+
+
 def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp", "cp", "tp")
@@ -99,7 +106,9 @@ def run(args, config, dataset, grid):
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
-                             grid=grid, layout={"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size})
+                             grid=grid, layout={"dp": grid.dp_size, "cp": grid.cp_size, "tp": grid.tp_size},
+                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
+                                                                         args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank over {len(records)} steps"))
     return records, model

@@ -304,6 +304,26 @@ def train_step_zb_h1(pipe, micro_batches):
     return pipe.finish()
 
 
+# ======================================================================================
+# Forward only (evaluation)
+# ======================================================================================
+def forward_only(pipe, micro_batches):
+    """Every forward pass, chunk by chunk (AFAB's order with one chunk), nothing kept for a backward: the
+    last block's mean loss (0 elsewhere). A chunk's blocks come after all earlier chunks' blocks, in both
+    placements (interleaved and V), so a rank only ever waits for lower blocks: no deadlock, for any m.
+    Called under torch.no_grad(); the training step's timeline, peak and sends are left as they were (the
+    reports after the loop are about training)."""
+    kept = pipe.events, pipe.peak_held, pipe.p2p.sent
+    pipe.begin(micro_batches)
+    for chunk in range(pipe.chunks):
+        for micro in range(pipe.m):
+            pipe.forward(micro, chunk)
+            pipe.saved.clear()                            # no backward will come for it
+    loss = pipe.finish()
+    pipe.events, pipe.peak_held, pipe.p2p.sent = kept
+    return loss
+
+
 def peak_held(schedule: str, p: int, rank: int, m: int, chunks: int = 1) -> int:
     """Micro-batches (per chunk) whose activations a rank holds at its peak, by the schedules above."""
     if schedule in v_schedules.ORDERS:

@@ -16,8 +16,8 @@ this file turns the events of all ranks of one pipeline into
     schedules': `theory_bubble`);
   * `timeline_violations`: every pass starts after the passes it depends on ended (F of block b
     after F of block b−1, B after the B of block b+1, W after its B) and a rank runs one pass at a time;
-  * `render_png`: one row per rank, boxes coloured by micro-batch, B lighter, W hatched; the executed
-    timeline above, its ideal replay below.
+  * `render_png`: one row per rank (a lane per chunk), boxes coloured and labelled by micro-batch,
+    B lighter, W hatched; the executed timeline above, its ideal replay below.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --grad-acc 8 --pp-schedule 1f1b \\
         --timeline 1f1b.png
@@ -129,7 +129,9 @@ def timeline_violations(events, p: int, chunks: int = 1, v_shape: bool = False) 
 def render_png(events, path: str, title: str, p: int, chunks: int = 1, v_shape: bool = False,
                pairs: bool = False):
     """Two panels: the executed timeline (wall clock) and the same order replayed with ideal pass
-    times. matplotlib is imported here: only --timeline needs it."""
+    times. With V chunks each rank's row has one lane per chunk (chunk 0 on top); a box is labelled with
+    its micro-batch only where the label fits inside it. matplotlib is imported here: only --timeline
+    needs it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,29 +139,37 @@ def render_png(events, path: str, title: str, p: int, chunks: int = 1, v_shape: 
 
     colours = plt.get_cmap("tab10" if max(e.micro for e in events) < 10 else "tab20")
     passes = max(sum(e.rank == r for e in events) for r in range(p))      # V schedules: 6m boxes a row
-    fig, axes = plt.subplots(2, 1, figsize=(max(10, passes / 4), 0.8 * p + 2.2), dpi=80)
+    width_in, lane = max(10.0, 0.22 * passes), 0.8 / chunks
+    fig, axes = plt.subplots(2, 1, figsize=(width_in, (0.8 + 0.25 * (chunks - 1)) * p + 2.4), dpi=80)
     ideal = "the same order replayed with ideal times (t_F = 1)" + (", F&B pairs as units" if pairs else "")
     panels = ((axes[0], events, 1e3, "executed: wall-clock time (ms)"),
               (axes[1], replay(events, p, chunks, v_shape, pairs), 1, ideal))
     for ax, panel, scale, xlabel in panels:
-        t0 = min(e.start for e in panel)
+        t0, t1 = min(e.start for e in panel), max(e.end for e in panel)
+        ax.set_xlim(0, (t1 - t0) * scale * 1.01)
+        points_per_unit = 0.9 * width_in * 72 / ((t1 - t0) * scale * 1.01)      # axes: ~90% of the width
         for e in panel:
             colour = colours(e.micro % colours.N)
             style = {"F": dict(facecolor=colour, alpha=1.0),
                      "B": dict(facecolor=colour, alpha=0.45),                      # lighter shade
                      "W": dict(facecolor=colour, alpha=0.8, hatch="///")}[e.op]     # hatched
             left, width = (e.start - t0) * scale, (e.end - e.start) * scale
-            ax.barh(p - 1 - e.rank, width, left=left, height=0.8, edgecolor="black", linewidth=0.4, **style)
-            label = f"{e.micro}" + (f"c{e.chunk}" if chunks > 1 else "")
-            ax.text(left + width / 2, p - 1 - e.rank, label, ha="center", va="center", fontsize=6,
-                    clip_on=True)
-        ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
+            y = p - 1 - e.rank + 0.4 - lane * (e.chunk + 0.5)                     # the chunk's lane
+            ax.barh(y, width, left=left, height=lane, edgecolor="black", linewidth=0.4, **style)
+            label = str(e.micro)
+            if width * points_per_unit >= 0.65 * 6 * len(label) + 2:              # 6-point digits fit inside
+                ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
+        if chunks > 1:
+            ax.set_yticks([p - 1 - r + 0.4 - lane * (c + 0.5) for r in range(p) for c in range(chunks)],
+                          [f"rank {r} · chunk {c}" for r in range(p) for c in range(chunks)], fontsize=7)
+        else:
+            ax.set_yticks(range(p), [f"rank {r}" for r in reversed(range(p))])
         ax.set_xlabel(xlabel, fontsize=8)
     grey = (0.5, 0.5, 0.5)
     fig.legend(handles=[Patch(facecolor=grey, label="F"), Patch(facecolor=grey, alpha=0.45, label="B"),
                         Patch(facecolor=grey, alpha=0.8, hatch="///", label="W")],
                loc="upper right", fontsize=7, ncol=3)
-    fig.suptitle(title, fontsize=9, x=0.4)
+    fig.suptitle(title + " | box label: micro-batch", fontsize=9, x=0.4)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

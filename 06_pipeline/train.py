@@ -23,6 +23,8 @@ import functools
 import os
 from importlib import import_module
 
+import torch
+
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
@@ -50,6 +52,14 @@ def train_step(pipe, optimizer, micro_batches, grid, args):
     optimizer.step()
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
                                    grid.pp_group, grid.dp_group, grid.dp_size), grad_norm
+
+
+def eval_step(pipe, micro_batches, grid, args):
+    """A held-out global batch's loss: the forward passes only, then the last stage's loss to every rank."""
+    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+        loss = schedules.forward_only(pipe, micro_batches)
+    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
+                                   grid.pp_group, grid.dp_group, grid.dp_size)
 
 
 def build_parser():
@@ -93,7 +103,9 @@ def run(args, config, dataset, grid):
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
         records = loop.train(args, step, stages, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len), grid=grid,
-                             layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks})
+                             layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks},
+                             eval_step=meter.unmetered(functools.partial(eval_step, pipe, grid=grid,
+                                                                         args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication of rank 0 over {len(records)} steps"))
     events = timeline.report(args, grid, pipe.events)      # the last step: bubble, picture

@@ -96,6 +96,7 @@ def add_arguments(parser):
     g.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch tried")
     g.add_argument("--max-cp", type=int, default=8, help="largest context-parallel degree tried")
     g.add_argument("--top", type=int, default=5, help="layouts printed")
+    g.conflict_handler = "resolve"   # the planner trains nothing: this replaces the trainers' --plot DIR
     g.add_argument("--plot", metavar="PNG", help="the chosen layout's memory per pipeline stage")
 
 

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import b
 import functools
 from importlib import import_module
 
+import torch
 import torch.distributed as dist
 
 build = import_module("01_single_gpu.build")
@@ -66,6 +67,18 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
                                    grid.pp_group, grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
+
+
+def eval_step(pipe, micro_batches, grid, args):
+    """A held-out global batch's loss: 06's forward passes on this rank's tokens, reduced as train_step's."""
+    positions = pipe.stages[0].position_ids          # (T/cp,)
+    device = micro_batches[0][0].device
+    with torch.no_grad(), build.autocast(args, device):
+        loss = schedules.forward_only(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])
+    if args.num_experts:
+        return experts.sum_over_stages(loss, device, grid)
+    return pipeline.broadcast_loss(loss, device, grid.pp_ranks[pipe.loss_rank], grid.pp_group,
+                                   grid.cp_dp_group, grid.cp_size * grid.dp_size)
 
 
 def state_bytes(stages, optimizer, shards):
@@ -148,8 +161,9 @@ def run(args, config, dataset, grid):
                          "num_experts": args.num_experts, "zero_stage": args.zero_stage}
     step = functools.partial(train_step, pipe, optimizer, sync=sync, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
+        evaluate = meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args))
         records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
-                             layout=checkpoint_layout)
+                             layout=checkpoint_layout, eval_step=evaluate)
     everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1), sync)
     if grid.pp_size > 1:
         timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble

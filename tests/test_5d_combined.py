@@ -51,7 +51,6 @@ ZeRO-1, 03's formulas too (AdamW states 2eΨ/N, 1/N of plain DP's; reduce-scatte
 (N−1)/N·eΨ each; only scalars all-reduced over dp).
 """
 import dataclasses
-import functools
 import io
 import json
 import os
@@ -68,7 +67,7 @@ if not torch.cuda.is_available():
 
 import common
 from harness import layout_results, run_layouts
-from test_tensor_parallel import LOSS, PARAMS, reference, shard_like
+from test_tensor_parallel import LOSS, PARAMS, shard_like
 
 modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -112,16 +111,11 @@ def _train(flag_set):
     sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
             for dim, groups in GROUPS.items()}
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                eval_losses=[r.get("eval_loss") for r in records],
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"],
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()})
-
-
-@functools.lru_cache
-def _reference(mbs, grad_acc, dtype):
-    """01's run of that global batch (several layouts share one; they only read it)."""
-    return reference(steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype)
 
 
 def _check(flag_set, per_rank):
@@ -137,7 +131,14 @@ def _check(flag_set, per_rank):
         ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
-        ref_losses, ref_norms, ref_state = _reference(mbs * layout.dp, grad_acc, dtype)
+        evaluation = extra[extra.index("--eval-every"):][:4] if "--eval-every" in extra else []
+        records, model = import_module("01_single_gpu.train").main(common.argv(
+            *evaluation, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+        ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for rank, run in enumerate(per_rank if evaluation else []):   # the same held-out batches everywhere
+            torch.testing.assert_close(run["eval_losses"], [r["eval_loss"] for r in records], **loss_tol,
+                                       msg=f"{extra} rank {rank}")
     covered = set()
     for rank, run in enumerate(per_rank):
         what = f"{' '.join(extra)}, rank {rank}"
@@ -217,12 +218,14 @@ def _check_in_backward(run, layout, extra, whole, what):
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
 EIGHT_RANKS = {
-    "dp2-tp2-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
-                               JSON_LOG),
+    "dp2-tp2-pp2-1f1b-eval": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
+                                    JSON_LOG, "--eval-every", 1, "--eval-batches", 1),
     "tp2sp-cp2zigzag-pp2-zbh1": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2,
                                        "--pp-schedule", "zb-h1", mbs=4),
-    "tp2sp-cp2zigzag-pp2-interleaved": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2,
-                                              "--pp-schedule", "interleaved", "--pp-chunks", 2, mbs=4),
+    "tp2sp-cp2zigzag-pp2-interleaved-eval": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag",
+                                                   "--pp", 2, "--pp-schedule", "interleaved",
+                                                   "--pp-chunks", 2,
+                                                   "--eval-every", 1, "--eval-batches", 1, mbs=4),
     "dp2ep2-tp2-pp2-moe": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
     "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
                                        "--zero-stage", 1),

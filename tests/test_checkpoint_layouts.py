@@ -9,7 +9,8 @@ below a wrong piece (a swapped TP block, a missing moment: the loss moves in the
 The pairs cross every kind of state a layout holds: ZeRO-3's flat shards → one device; one device →
 tp2 × pp2 (08); ZeRO-1 over a pipeline (08's distributed optimizer, pieces that cross parameters and
 TP blocks) → tp2 × dp2 (04); and 07's experts over ep2 → 07 on one device. Then the 04 checkpoint is
-exported (export_hf.py) and transformers' Llama gives the project's logits (float32: 1e-5).
+exported (export_hf.py) and transformers' Llama gives the project's logits (float32: 1e-5), and
+generate.py decodes the same greedy tokens from the checkpoint and from its export.
 """
 from importlib import import_module
 
@@ -116,6 +117,11 @@ def export_and_compare(ckpt, out, model):
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+    # generate.py reads the checkpoint (saved by tp2 × dp2) and its export alike: the same greedy tokens
+    generate = import_module("01_single_gpu.generate")
+    tokens = [generate.main([*source, "--prompt", "def f(", "--temperature", "0", "--max-new-tokens", "12"])
+              for source in (["--checkpoint-dir", ckpt], ["--hf-dir", str(out)])]
+    assert tokens[0].shape == (1, 6 + 12) and torch.equal(*tokens)
 
 
 def _experts(ckpt):

@@ -315,9 +315,9 @@ def test_train_with_triton_kernels_reproduces_torch_losses():
 def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     """The benchmark's own logic (every kernel × implementation × pass, the rate arithmetic, the
     markdown and JSON writers) run through once on tiny float32 shapes, with the kernels in the
-    interpreter and a wall-clock timer in place of CUDA events. This checks the script, not the speed:
-    the numbers go to a temporary directory, never to kernels/results/. On a GPU, `python
-    kernels/bench.py` runs the same code with the real timer and shapes."""
+    interpreter and a wall-clock timer in place of CUDA events, and --plot-from draws them. This checks
+    the script, not the speed: the numbers go to a temporary directory, never to kernels/results/. On a
+    GPU, `python kernels/bench.py` runs the same code with the real timer and shapes."""
     import argparse
     bench = import_module("kernels.bench")
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
@@ -350,3 +350,5 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     text = (tmp_path / "cpu-interpreter-check.md").read_text()
     assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
     assert len(json.loads((tmp_path / "cpu-interpreter-check.json").read_text())["rows"]) == len(rows)
+    bench.main(["--plot-from", str(tmp_path / "cpu-interpreter-check.json")])   # --plot's picture, no GPU
+    assert (tmp_path / "cpu-interpreter-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
