@@ -45,7 +45,7 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
 
-    # exercise K.4: online log-sum-exp
+    # exercise K.4: cross-entropy's online log-sum-exp
     # hint: one pass over the row in blocks of BLOCK_V with a running max m and s = Σ exp(x − m): a block that
     #   raises the max to m' rescales, s = s·exp(m − m') + Σ_block exp(x − m'); then lse = m + log s.
     # test: tests/test_kernels.py::test_fused_linear_cross_entropy

@@ -144,7 +144,8 @@ def code_lines(block):
 
 def test_every_step_and_kernel_has_exercises_in_course_order():
     """An exercise in every numbered folder, every Triton kernel file and the CUDA kernels; IDs numbered
-    1, 2, … in each folder, listed folder by folder; each names a test that its test file defines."""
+    1, 2, … in each folder, listed folder by folder; each names a test that its test file defines, and
+    the root README's table lists it."""
     steps = {p.name[:2] for p in ROOT.iterdir() if p.is_dir() and p.name[:2].isdigit()}
     assert {e.id.split(".")[0] for e in FOUND} == steps | {"K"}
     triton_files = {p.name for p in (ROOT / "kernels").glob("*.py") if "@triton.jit" in p.read_text()}
@@ -154,9 +155,11 @@ def test_every_step_and_kernel_has_exercises_in_course_order():
         numbers = [int(e.id.split(".")[1]) for e in FOUND if e.id.startswith(folder + ".")]
         assert numbers == list(range(1, len(numbers) + 1)), folder
     assert [e.id for e in FOUND] == sorted((e.id for e in FOUND), key=lambda i: (i[0] == "K", i))
+    readme = (ROOT / "README.md").read_text()
     for e in FOUND:
         path, name = e.test.split("::")
         assert f"\ndef {name.split('[')[0]}(" in (ROOT / path).read_text(), f"{e.id}: {e.test}"
+        assert f"| {e.id} | {e.title} |" in readme, f"{e.id}: the README's table of exercises"
 
 
 def test_no_readme_quotes_a_solution():
