@@ -22,6 +22,7 @@ each block is guarded by the environment variable EXERCISES_STUBBED).
     python tests/exercises.py check [--passing] [--only ID]  # about a minute (--passing: several)
 """
 import argparse
+import ast
 import json
 import os
 import re
@@ -96,7 +97,7 @@ def _header(lines, i, comment):
         else:
             break
         i += 1
-    return " ".join(fields["hint"]), " ".join(fields["test"]), i
+    return " ".join(fields["hint"]), "".join(fields["test"]), i
 
 
 def parse(root: Path = ROOT) -> list:
@@ -107,11 +108,13 @@ def parse(root: Path = ROOT) -> list:
         if not name.endswith(SOURCES) or name.startswith("tests/"):
             continue
         lines = (root / name).read_text().splitlines()
+        functions = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef)] \
+            if name.endswith(".py") else []
         i = 0
         while i < len(lines):
             match = OPEN.match(lines[i])
             if not match:
-                if re.match(r"\s*(#|//) (end )?exercise\b", lines[i]):
+                if re.match(r"\s*(#|//) (end exercise\s*$|exercise \S+\.[0-9])", lines[i]):
                     raise ExerciseError(f"{name}:{i + 1}: a marker outside 'exercise ID: title' ... 'end exercise'")
                 i += 1
                 continue
@@ -123,12 +126,15 @@ def parse(root: Path = ROOT) -> list:
             hint, test, start = _header(lines, i + 1, comment)
             end = next((j for j in range(start, len(lines)) if OPEN.match(lines[j]) or
                         lines[j].strip() == f"{comment} end exercise"), None)
-            if end is None or lines[end].strip() != f"{comment} end exercise" or lines[end][:len(indent)] != indent:
+            if end is None or lines[end].rstrip() != f"{indent}{comment} end exercise":
                 raise ExerciseError(f"{where}: exercise {ex_id} has no '{comment} end exercise' at its indentation")
             if not any(lines[j].strip() for j in range(start, end)):
                 raise ExerciseError(f"{where}: exercise {ex_id} has no solution lines")
             if any(lines[j].strip() and not lines[j].startswith(indent) for j in range(start, end)):
                 raise ExerciseError(f"{where}: a solution line is indented less than its marker")
+            if name.endswith(".py") and not any(f.lineno < i + 1 and f.end_lineno >= end for f in functions):
+                raise ExerciseError(f"{where}: exercise {ex_id} is not inside a function (its stub would run "
+                                    f"when the module is imported)")
             exercise = exercises.setdefault(ex_id, Exercise(ex_id))
             if title:
                 if exercise.title:

@@ -113,7 +113,9 @@ def test_student_copy_replaces_each_block_by_its_stub(tmp_path):
     (CALC.replace("exercise 01.2: quadruple", "exercise 01.1: quadruple"), "defined twice"),
     (CALC.replace("exercise 01.2", "exercise 02.2"), "belongs in a file under 02_"),
     (CALC.replace("def triple(x):", "def triple(x):\n    # exercise 01.1 more"), "a marker outside"),
-], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker"])
+    (CALC.replace("\n\ndef triple(x):\n    return 3 * x", "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n# end exercise"),
+     "not inside a function"),
+], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker", "module-level"])
 def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
     with pytest.raises(exercises.ExerciseError, match=rf"01_demo/calc.py:\d+: .*{re.escape(message)}"):
         exercises.parse(made_up(tmp_path, broken))
