@@ -67,7 +67,7 @@ class CopyToTPRegion(torch.autograd.Function):
         # hint: f (copy_to_tp_region) is the identity forward and sums dL/dX over the group backward; f̄
         #   (reduce_from_tp_region) sums a copy of the partial outputs over the group forward and is the
         #   identity backward. A backward returns one gradient per forward input (None for the group).
-        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins
+        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[f-and-f-bar]
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp
         return grad, None

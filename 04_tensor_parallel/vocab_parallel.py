@@ -59,7 +59,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         #   whole vocabulary (all-reduce SUM) and the label's shifted logit, which only its owner has
         #   (all-reduce SUM); loss = mean over the valid labels of log Σexp − target; save what backward
         #   reads.
-        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins
+        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[model]
         logits_max = logits.max(dim=-1).values                             # (N,)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)     # (N,) global max
         shifted = logits - logits_max[:, None]                             # (N, V/t)

@@ -156,7 +156,7 @@ class RingAttentionFunction(torch.autograd.Function):
         #   attend to it the tiles _tiles(layout, rank, (rank − step) mod cp) lists, tile_forward each and
         #   merge it into outs[i], lses[i] (online softmax), then wait for the transfer and take the received
         #   block.
-        # test: tests/test_context_parallel.py::test_ring_ulysses_and_sequence_parallel_match_dense_twins
+        # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[ring]
         kv = torch.stack([k, v])                                           # (2, B, nkv, T/cp, hd)
         for step in range(size):
             if step < size - 1:

@@ -41,7 +41,7 @@ def seq_to_heads(x, group):   # (B, h, T/cp, hd) -> (B, h/cp, cp·T/cp, hd), tok
     #   _all_to_all, then lay the source ranks' tokens side by side: (B, h/cp, cp·t, hd). heads_to_seq undoes
     #   it: the tokens as cp blocks first (block j goes back to rank j), _all_to_all, the head groups in
     #   order.
-    # test: tests/test_context_parallel.py::test_ring_ulysses_and_sequence_parallel_match_dense_twins
+    # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[ulysses]
     blocks = x.view(B, cp, h // cp, t, hd).transpose(0, 1)                 # (cp: head group, B, h/cp, t, hd)
     received = _all_to_all(blocks, group)                                  # (cp: source rank, B, h/cp, t, hd)
     return received.permute(1, 2, 0, 3, 4).reshape(B, h // cp, cp * t, hd)

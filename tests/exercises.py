@@ -26,6 +26,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -230,7 +231,7 @@ def listing(root: Path = ROOT) -> str:
     for e in exercises:
         status = "todo" if any(is_stub(e, b, root) for b in e.blocks) else "written"
         where = ", ".join(f"{b.path}:{b.line}" for b in e.blocks)
-        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})", f"{'':14}python -m pytest -q {e.test}"]
+        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})", f"{'':14}python -m pytest -q {shlex.quote(e.test)}"]
     return "\n".join(rows)
 
 
@@ -280,9 +281,12 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
     `passing`: with k solved too, it passes."""
     exercises = parse(root)
     chosen, ids = select(exercises, only), [e.id for e in exercises]
-    rounds = []                    # a test named by several exercises runs once for each: one session each
+    # One session per round. A round runs each test function once: exercises naming the same function
+    # (or its parameters, which may share its module's fixtures) go to different rounds.
+    rounds = []
     for exercise in chosen:
-        free = next((r for r in rounds if exercise.test not in r), None)
+        function = exercise.test.split("[")[0]
+        free = next((r for r in rounds if all(t.split("[")[0] != function for t in r)), None)
         if free is None:
             free = {}
             rounds.append(free)
