@@ -14,8 +14,9 @@ into OUT (no history) with every block replaced by a stub that raises NotImpleme
 (ring all-reduce): <hint>") (#error in CUDA); the markers stay, so `list` run there says which are left.
 `check` proves the cycle a student lives through, in order: with the exercises before k solved and k and
 the later ones stubbed, k's test fails naming k and no other; `check --passing`: with k solved too, it
-passes. One pytest session runs every test, each under its own stubs (a copy of the repository in which
-each block is guarded by the environment variable EXERCISES_STUBBED).
+passes. A pytest session runs every test, each under its own stubs, in a copy of the repository in which
+each block is guarded by the environment variable EXERCISES_STUBBED (a second session for the exercises
+that name other parameters of an already named test).
 
     python tests/exercises.py list
     python tests/exercises.py make ../student                # or --only 04.1 04.2
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = (".py", ".cu", ".cuh", ".h", ".cpp")
 OPEN = re.compile(r"^(\s*)(#|//) exercise ([0-9]{2}|K)\.([0-9]+)(?:: (.+))?$")
 STUB_NAME = re.compile(r"exercise ((?:[0-9]{2}|K)\.[0-9]+) \(")   # how a stub's message names its exercise
-SKIP_DIRS = {".git", "__pycache__", ".cache", ".pytest_cache"}
+SKIP_DIRS = {"__pycache__", "venv", "node_modules"}     # and hidden folders (.git, .cache, .venv, ...)
 
 
 class ExerciseError(ValueError):
@@ -79,8 +80,8 @@ def source_files(root: Path):
         out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True, check=True)
         names = [n for n in out.stdout.split("\0") if n and (root / n).is_file()]
     else:
-        names = [str(p.relative_to(root)) for p in root.rglob("*")
-                 if p.is_file() and not SKIP_DIRS & set(p.relative_to(root).parts)]
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not any(
+                 part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(root).parts[:-1])]
     return sorted(names)
 
 
