@@ -15,8 +15,8 @@ HARMLESS = {"data_cache"}          # kept fixtures that run no exercise (conftes
 
 
 def stubbed(item):
-    return next((ids for test, ids in PLAN.items() if item.nodeid == test or item.nodeid.startswith(test + "[")),
-                [])
+    matches = (ids for test, ids in PLAN.items() if item.nodeid == test or item.nodeid.startswith(test + "["))
+    return next(matches, [])
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -117,7 +117,8 @@ def parse(root: Path = ROOT) -> list:
             match = OPEN.match(lines[i])
             if not match:
                 if re.match(r"\s*(#|//) (end exercise\s*$|exercise \S+\.[0-9])", lines[i]):
-                    raise ExerciseError(f"{name}:{i + 1}: a marker outside 'exercise ID: title' ... 'end exercise'")
+                    raise ExerciseError(f"{name}:{i + 1}: a marker outside 'exercise ID: title' ... "
+                                        f"'end exercise'")
                 i += 1
                 continue
             indent, comment, folder, number, title = match.groups()
@@ -129,7 +130,8 @@ def parse(root: Path = ROOT) -> list:
             end = next((j for j in range(start, len(lines)) if OPEN.match(lines[j]) or
                         lines[j].strip() == f"{comment} end exercise"), None)
             if end is None or lines[end].rstrip() != f"{indent}{comment} end exercise":
-                raise ExerciseError(f"{where}: exercise {ex_id} has no '{comment} end exercise' at its indentation")
+                raise ExerciseError(f"{where}: exercise {ex_id} has no '{comment} end exercise' at its "
+                                    f"indentation")
             if not any(lines[j].strip() for j in range(start, end)):
                 raise ExerciseError(f"{where}: exercise {ex_id} has no solution lines")
             if any(lines[j].strip() and not lines[j].startswith(indent) for j in range(start, end)):
@@ -140,20 +142,21 @@ def parse(root: Path = ROOT) -> list:
             exercise = exercises.setdefault(ex_id, Exercise(ex_id))
             if title:
                 if exercise.title:
-                    raise ExerciseError(f"{where}: exercise {ex_id} is defined twice (more blocks: '# exercise {ex_id}')")
+                    raise ExerciseError(f"{where}: exercise {ex_id} is defined twice (more blocks: "
+                                        f"'# exercise {ex_id}')")
                 if not hint or not test:
                     raise ExerciseError(f"{where}: exercise {ex_id} needs a 'hint:' and a 'test:' line")
                 exercise.title, exercise.hint, exercise.test = title.strip(), hint, test
             elif hint or test:
-                raise ExerciseError(f"{where}: hint and test go with the exercise's title, in its first block")
+                raise ExerciseError(f"{where}: hint and test go with the title, in the first block")
             exercise.blocks.append(Block(name, i + 1, indent, comment, (start, end - 1)))
             i = end + 1
     for exercise in exercises.values():
+        where = f"{exercise.blocks[0].path}:{exercise.blocks[0].line}"
         if not exercise.title:
-            first = exercise.blocks[0]
-            raise ExerciseError(f"{first.path}:{first.line}: exercise {exercise.id} has no block with its title")
+            raise ExerciseError(f"{where}: exercise {exercise.id} has no block with its title")
         if '"' in exercise.message() and any(b.comment == "//" for b in exercise.blocks):
-            raise ExerciseError(f"{exercise.blocks[0].path}:{exercise.blocks[0].line}: no '\"' in a CUDA hint")
+            raise ExerciseError(f"{where}: no '\"' in a CUDA hint")
     return sorted(exercises.values(), key=lambda e: e.order)
 
 
@@ -232,7 +235,8 @@ def listing(root: Path = ROOT) -> str:
     for e in exercises:
         status = "todo" if any(is_stub(e, b, root) for b in e.blocks) else "written"
         where = ", ".join(f"{b.path}:{b.line}" for b in e.blocks)
-        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})", f"{'':14}python -m pytest -q {shlex.quote(e.test)}"]
+        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})",
+                 f"{'':14}python -m pytest -q {shlex.quote(e.test)}"]
     return "\n".join(rows)
 
 
@@ -242,7 +246,7 @@ def listing(root: Path = ROOT) -> str:
 @dataclass
 class Outcome:
     exercise: str
-    status: str                    # "ok", "wrong" (the cycle is broken) or "skipped" (the test skipped itself)
+    status: str                    # "ok", "wrong" (the cycle is broken), "skipped" (the test skipped itself)
     detail: str = ""
 
 
@@ -271,8 +275,9 @@ def _judge(exercise, cases, passing, known):
                                                  f"exercises stubbed:\n{text[-3000:]}")
         if not passing and (kind != "failed" or named != {exercise.id}):
             what = "passes" if kind == "passed" else f"fails naming {sorted(named) or 'no exercise'}"
-            return Outcome(exercise.id, "wrong", f"{nodeid} {what} with {exercise.id} and the later exercises "
-                                                 f"stubbed (it must fail naming {exercise.id} alone):\n{text[-3000:]}")
+            return Outcome(exercise.id, "wrong", f"{nodeid} {what} with {exercise.id} and the later "
+                                                 f"exercises stubbed (it must fail naming {exercise.id} "
+                                                 f"alone):\n{text[-3000:]}")
     return Outcome(exercise.id, "ok", f"{len(mine)} test(s)")
 
 
@@ -308,7 +313,8 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
                                   "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=env,
                                  capture_output=True, text=True, timeout=timeout)
             if not xml.exists():
-                raise ExerciseError(f"pytest did not run the exercise tests:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
+                raise ExerciseError(f"pytest did not run the exercise tests:\n{run.stdout[-3000:]}"
+                                    f"{run.stderr[-3000:]}")
             cases = _cases(xml)
             for exercise, _ in plan.values():
                 outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
@@ -331,7 +337,8 @@ def main(argv=None):
     maker = commands.add_parser("make", help="write a student copy of the repository into OUT")
     maker.add_argument("out", metavar="OUT", help="a new folder outside the repository")
     checker = commands.add_parser("check", help="prove the make / fail / pass cycle of every exercise")
-    checker.add_argument("--passing", action="store_true", help="the passing side: k's test passes with k solved")
+    checker.add_argument("--passing", action="store_true",
+                         help="the passing side: k's test passes with k solved")
     for sub in (maker, checker):
         sub.add_argument("--only", nargs="+", metavar="ID", help="these exercises only (e.g. 04.1 04.2)")
     args = parser.parse_args(argv)

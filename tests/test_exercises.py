@@ -81,7 +81,8 @@ def test_student_copy_replaces_each_block_by_its_stub(tmp_path):
     root = made_up(tmp_path)
     found = exercises.parse(root)
     assert [(e.id, e.title, e.test, len(e.blocks)) for e in found] == [
-        ("01.1", "double it", "tests/test_calc.py::test_double", 1), ("01.2", "quadruple", "tests/test_calc.py::test_quad", 1)]
+        ("01.1", "double it", "tests/test_calc.py::test_double", 1),
+        ("01.2", "quadruple", "tests/test_calc.py::test_quad", 1)]
     exercises.make(tmp_path / "student", root=root)
     student = (tmp_path / "student" / "01_demo" / "calc.py").read_text()
     assert "y = 2 * x" not in student and "double(double(x))" not in student and "return 3 * x" in student
@@ -113,8 +114,8 @@ def test_student_copy_replaces_each_block_by_its_stub(tmp_path):
     (CALC.replace("exercise 01.2: quadruple", "exercise 01.1: quadruple"), "defined twice"),
     (CALC.replace("exercise 01.2", "exercise 02.2"), "belongs in a file under 02_"),
     (CALC.replace("def triple(x):", "def triple(x):\n    # exercise 01.1 more"), "a marker outside"),
-    (CALC.replace("\n\ndef triple(x):\n    return 3 * x", "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n# end exercise"),
-     "not inside a function"),
+    (CALC.replace("\n\ndef triple(x):\n    return 3 * x", "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n"
+                  "# end exercise"), "not inside a function"),
 ], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker", "module-level"])
 def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
     with pytest.raises(exercises.ExerciseError, match=rf"01_demo/calc.py:\d+: .*{re.escape(message)}"):
@@ -126,7 +127,7 @@ def test_check_proves_the_cycle_and_finds_a_broken_one(tmp_path):
     root = made_up(tmp_path)
     assert [(o.exercise, o.status) for o in exercises.check(root=root)] == [("01.1", "ok"), ("01.2", "ok")]
     assert [o.status for o in exercises.check(passing=True, root=root)] == ["ok", "ok"]
-    wrong = made_up(tmp_path / "wrong", CALC.replace("test_calc.py::test_double", "test_calc.py::test_double_through_quad"))
+    wrong = made_up(tmp_path / "wrong", CALC.replace("::test_double", "::test_double_through_quad"))
     outcome = exercises.check(root=wrong, only=["01.1"])[0]
     assert outcome.status == "wrong" and "fails naming ['01.2']" in outcome.detail
 

@@ -86,14 +86,15 @@ def test_eager_attention_is_causal_attention_over_shared_kv_heads():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, heads, 7, 8, generator=g) for heads in (4, 2, 2))   # (B, nh or nkv, T, hd)
     out = modeling.eager_attention(q, k, v)
-    fused = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                             is_causal=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fused = sdpa(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     torch.testing.assert_close(out, fused, rtol=1e-6, atol=1e-6)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 1.0
     v2[:, :, -1] += 1.0
     moved = modeling.eager_attention(q, k2, v2)
-    assert torch.equal(moved[:, :, :-1], out[:, :, :-1]) and not torch.allclose(moved[:, :, -1], out[:, :, -1])
+    assert torch.equal(moved[:, :, :-1], out[:, :, :-1])
+    assert not torch.allclose(moved[:, :, -1], out[:, :, -1])
 
 
 def test_rotary_embedding_turns_each_pair_by_position_times_frequency():
