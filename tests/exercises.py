@@ -14,9 +14,9 @@ into OUT (no history) with every block replaced by a stub that raises NotImpleme
 (ring all-reduce): <hint>") (#error in CUDA); the markers stay, so `list` run there says which are left.
 `check` proves the cycle a student lives through, in order: with the exercises before k solved and k and
 the later ones stubbed, k's test fails naming k and no other; `check --passing`: with k solved too, it
-passes. A pytest session runs every test, each under its own stubs, in a copy of the repository in which
-each block is guarded by the environment variable EXERCISES_STUBBED (a second session for the exercises
-that name other parameters of an already named test).
+passes. pytest sessions, one per core side by side, run every test, each under its own stubs, in a copy of
+the repository in which each block is guarded by the environment variable EXERCISES_STUBBED (a second
+round for the exercises that name other parameters of an already named test).
 
     python tests/exercises.py list
     python tests/exercises.py make ../student                # or --only 04.1 04.2
@@ -34,6 +34,7 @@ import sys
 import tempfile
 import textwrap
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -305,19 +306,26 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
             (tree / ".cache").symlink_to(root / ".cache")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EXERCISES_STUBBED")}
         env.update(PYTHONPATH=str(tree / "tests"), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # CPU
-        for n, plan in enumerate(rounds):
-            env["EXERCISES_PLAN"] = str(scratch / f"plan{n}.json")
-            Path(env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s) in plan.items()}))
-            xml = scratch / f"round{n}.xml"
-            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                                  "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=env,
-                                 capture_output=True, text=True, timeout=timeout)
+        # Each round's tests in as many sessions as the machine has cores (at most 4), run side by side:
+        # a session is mostly one Python thread, so one per core.
+        cores = max(1, min(4, os.cpu_count() or 1))
+        sessions = [dict(list(plan.items())[k::cores]) for plan in rounds for k in range(cores)]
+
+        def run(n, plan):
+            plan_env = dict(env, EXERCISES_PLAN=str(scratch / f"plan{n}.json"))
+            Path(plan_env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s) in plan.items()}))
+            xml = scratch / f"session{n}.xml"
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                                   "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=plan_env,
+                                  capture_output=True, text=True, timeout=timeout)
             if not xml.exists():
-                raise ExerciseError(f"pytest did not run the exercise tests:\n{run.stdout[-3000:]}"
-                                    f"{run.stderr[-3000:]}")
-            cases = _cases(xml)
-            for exercise, _ in plan.values():
-                outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
+                raise ExerciseError(f"pytest did not run the exercise tests:\n{done.stdout[-3000:]}"
+                                    f"{done.stderr[-3000:]}")
+            return plan, _cases(xml)
+        with ThreadPoolExecutor(cores) as pool:
+            for plan, cases in pool.map(run, *zip(*[(n, plan) for n, plan in enumerate(sessions) if plan])):
+                for exercise, _ in plan.values():
+                    outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
     return [outcomes[e.id] for e in chosen]
 
 
