@@ -20,7 +20,7 @@ round for the exercises that name other parameters of an already named test).
 
     python tests/exercises.py list
     python tests/exercises.py make ../student                # or --only 04.1 04.2
-    python tests/exercises.py check [--passing] [--only ID]  # ~100 CPU-seconds (--passing ~110)
+    python tests/exercises.py check [--passing] [--only ID]  # ~90 CPU-seconds (--passing ~110)
 """
 import argparse
 import ast
