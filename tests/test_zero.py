@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import common
-from harness import layout_results, run_layouts
+from harness import layout_results, run_layouts, run_ranks
 
 zero_mod = import_module("03_zero.zero")
 offload_mod = import_module("03_zero.offload")
