@@ -134,10 +134,16 @@ def rotary_cos_sin(position_ids, config, dtype):
     Takes the config, not theta, so every caller gets the scaled frequencies. The angles are computed
     in float32 whatever the model's dtype, as Hugging Face does.
     """
+    # exercise 01.2: rotary position embedding
+    # hint: the angle of position m and frequency i is m·ω_i, ω = rope_inv_freq (float32 whatever the dtype):
+    #   (T, hd/2), repeated along the last dimension to (T, hd) since apply_rotary pairs x_i with x_{i+hd/2};
+    #   return cos and sin in `dtype`.
+    # test: tests/test_single_gpu.py::test_rotary_embedding_turns_each_pair_by_position_times_frequency
     inv_freq = rope_inv_freq(config, position_ids.device)                # (hd/2,)
     angles = position_ids.float()[:, None] * inv_freq[None, :]            # (T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)                          # (T, hd)
     return angles.cos().to(dtype), angles.sin().to(dtype)
+    # end exercise
 
 
 def rotate_half(x):  # (..., hd) -> (..., hd): [x1, x2] -> [-x2, x1]
@@ -163,11 +169,16 @@ def eager_attention(q, k, v):
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)                                # (B, nh, T, hd)
     v = v.repeat_interleave(groups, dim=1)
+    # exercise 01.1: causal self-attention
+    # hint: the scores q·kᵀ/√hd (B, nh, T, T); −inf above the diagonal, so query i sees keys 0…i; the softmax
+    #   over the keys in float32, back to q's dtype; times v. k and v already have one head per query head.
+    # test: tests/test_single_gpu.py::test_eager_attention_is_causal_attention_over_shared_kv_heads
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # (B, nh, T, T)
     T = q.shape[2]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v    # (B, nh, T, hd)
+    # end exercise
 
 
 class Attention(nn.Module):

@@ -140,10 +140,16 @@ def ring_all_reduce(tensor, group=None):
         sent += chunks[send_index].numel()
         return incoming
 
+    # exercise 02.1: ring all-reduce
+    # hint: N−1 reduce-scatter steps, then N−1 all-gather steps, each one `exchange(send_index, recv_index)`
+    #   (it sends a chunk to the right and returns the one from the left); the docstring gives the chunk
+    #   indices of step s.
+    # test: tests/test_collectives.py::test_collectives_match_playbook_and_ring_all_reduce
     for s in range(size - 1):                                       # === reduce-scatter phase ===
         chunks[(rank - s - 1) % size] += exchange((rank - s) % size, (rank - s - 1) % size)
     for s in range(size - 1):                                       # === all-gather phase ===
         chunks[(rank - s) % size].copy_(exchange((rank + 1 - s) % size, (rank - s) % size))
+    # end exercise
     return sent
 
 

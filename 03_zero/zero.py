@@ -228,10 +228,17 @@ class ZeRO:
             self._end_of_backward()               # the units no synchronising backward completed
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             self.before_reduce([p for u in self.units for p in u.params])
+            # exercise 03.1: ZeRO-1: reduce-scatter the gradients, all-gather the shards
+            # hint: finish_gradients: for every unit, an async reduce-scatter (comm.reduce_scatter_flat) of
+            #   its flat gradient grad_full (U,) into its own slice [lo, hi), then wait for them all;
+            #   gather_shards: for every unit, an async all-gather (comm.all_gather_flat) of its shard (U/N,)
+            #   into full (U,), then wait.
+            # test: tests/test_zero.py::test_zero1_step_equals_adamw_on_the_whole_batch
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
             for work in works:
                 work.wait()
+            # end exercise
         for unit in self.units:
             unit.grad = unit.grad_full[unit.lo:unit.hi] if self.stage == 1 else unit.shard_grad   # (U/N,)
             unit.grad.div_(self.divisor)
@@ -352,10 +359,12 @@ class ZeRO:
         Stage 3 keeps only the shards: its units are gathered before each use instead."""
         if self.stage == 3:
             return
+        # exercise 03.1
         works = [comm.all_gather_flat(u.full, u.shard, group=self.group, async_op=True)
                  for u in self.units]         # in place: the shard is slice r of full
         for work in works:
             work.wait()
+        # end exercise
 
     @contextlib.contextmanager
     def gathered(self):

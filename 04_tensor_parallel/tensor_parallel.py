@@ -63,9 +63,15 @@ class CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise 04.1: Megatron's f and f̄
+        # hint: f (copy_to_tp_region) is the identity forward and sums dL/dX over the group backward; f̄
+        #   (reduce_from_tp_region) sums a copy of the partial outputs over the group forward and is the
+        #   identity backward. A backward returns one gradient per forward input (None for the group).
+        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[f-and-f-bar]
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp
         return grad, None
+        # end exercise
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
@@ -74,9 +80,11 @@ class ReduceFromTPRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # exercise 04.1
         x = x.contiguous().clone()
         dist.all_reduce(x, group=group)                            # (B, T, C) summed over tp
         return x
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):

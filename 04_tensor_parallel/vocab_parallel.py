@@ -54,6 +54,12 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, group):                  # (N, V/t), (N,)
+        # exercise 04.2: vocab-parallel cross-entropy
+        # hint: the logits stay sharded (N, V/t): the global max (all-reduce MAX), Σ exp(z − max) over the
+        #   whole vocabulary (all-reduce SUM) and the label's shifted logit, which only its owner has
+        #   (all-reduce SUM); loss = mean over the valid labels of log Σexp − target; save what backward
+        #   reads.
+        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[model]
         logits_max = logits.max(dim=-1).values                             # (N,)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)     # (N,) global max
         shifted = logits - logits_max[:, None]                             # (N, V/t)
@@ -71,6 +77,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = exp / sum_exp[:, None]                                   # (N, V/t)
         ctx.save_for_backward(softmax, local, owned, valid, count)
         return loss
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -151,6 +151,12 @@ class RingAttentionFunction(torch.autograd.Function):
         n = len(layout.chunk_ids(rank))
         q_chunks = q.chunk(n, dim=2)                                       # n × (B, nh, c, hd)
         outs, lses = [None] * n, [None] * n
+        # exercise 05.1: ring attention
+        # hint: for step 0…cp−1: start ring_shift of the stacked K/V block in hand (not at the last step),
+        #   attend to it the tiles _tiles(layout, rank, (rank − step) mod cp) lists, tile_forward each and
+        #   merge it into outs[i], lses[i] (online softmax), then wait for the transfer and take the received
+        #   block.
+        # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[ring]
         kv = torch.stack([k, v])                                           # (2, B, nkv, T/cp, hd)
         for step in range(size):
             if step < size - 1:
@@ -162,6 +168,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < size - 1:
                 _wait(requests)
                 kv = next_kv
+        # end exercise
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)           # (B, nh, T/cp, hd), (B, nh, T/cp)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.attn = attn

@@ -225,6 +225,10 @@ def train_step_afab(pipe, micro_batches):
 def train_step_1f1b(pipe, micro_batches):
     pipe.begin(micro_batches)
     m = pipe.m
+    # exercise 06.1: the 1F1B schedule
+    # hint: warm-up: p − rank − 1 forwards (at most m); steady state: the forward of the next micro-batch,
+    #   then the backward of the oldest one held, until every forward has run; cool-down: the backwards left.
+    # test: tests/test_pipeline.py::test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank
     warmup = min(pipe.p - pipe.rank - 1, m)   # later stages start backward sooner
     # === warm-up ===
     for i in range(warmup):
@@ -236,6 +240,7 @@ def train_step_1f1b(pipe, micro_batches):
     # === cool-down ===
     for i in range(m - warmup, m):
         pipe.backward(i)
+    # end exercise
     return pipe.finish()
 
 

@@ -157,12 +157,19 @@ class MoE(nn.Module):
 
     def forward(self, x):  # (B, T, C)
         B, T, C = x.shape
+        # exercise 07.1: top-k routing
+        # hint: p = softmax(gate(x)) over the experts, logits and p in float32 (the z-loss reads the logits);
+        #   the top k; the weights p/Σ_k p (k ≥ 2) or p itself (k = 1). After the experts: each computed row
+        #   back at its (token, choice) place (index_copy by `order`; a dropped row stays 0), and the weighted
+        #   sum of a token's k choices.
+        # test: tests/test_expert_parallel.py::test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence
         logits = self.gate(x)                                                # (B, T, E)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # bf16 -> fp32
         probs = logits.softmax(dim=-1)                                       # (B, T, E)
         top_p, chosen = probs.topk(self.top_k, dim=-1)                       # (B, T, k)
         # (B, T, k): Mixtral's renormalised weights, Σ_k = 1; Switch's raw probability when k = 1
         weights = top_p if self.top_k == 1 else top_p / top_p.sum(dim=-1, keepdim=True)
+        # end exercise
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         if self.capacity_factor:       # rows over capacity are not computed: output 0 (the residual only)
             kept = within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
@@ -175,8 +182,10 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls would cast anyway: cast
             rows = rows.to(torch.get_autocast_dtype(x.device.type))   # before EP ships them (bf16 bytes)
         out = self.experts_fn(self.experts, rows, counts)                    # (n_kept, C), grouped by expert
+        # exercise 07.1
         out = out.new_zeros(expert_of_row.numel(), C).index_copy(0, order, out)   # (n, C), token order
         y = (weights.to(out.dtype).unsqueeze(-1) * out.view(B, T, self.top_k, C)).sum(dim=2)   # (B, T, C)
+        # end exercise
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)                                   # (B, T, C), every token
         side = 0.0

@@ -195,6 +195,11 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
     h, e = config.hidden_size, ACTIVATION_BYTES[layout.precision]
     h_kv = config.num_key_value_heads * config.head_dim
     n, tokens = layout.dp * layout.cp, mbs * seq_len // layout.cp
+    # exercise 08.1: overlap ratios
+    # hint: t_comm/t_compute of every dimension whose degree is above 1 (App. 5.3): the bytes a rank sends
+    #   over the bandwidth, against the FLOPs that can hide them over the peak; the forms term by term are in
+    #   08_5d_combined/README.md (dp: erratum E6, tp: E9).
+    # test: tests/test_5d_combined.py::test_planner_overlap_ratios_follow_their_derivations
     ratios = {}
     if n > 1:
         key = "zero3" if layout.zero_stage == 3 else "dp"
@@ -210,6 +215,7 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
         ratios["ep"] = (e * (layout.ep - 1) / (3 * layout.ep * config.intermediate_size) * peak_flops
                         / bw["ep"])
     return ratios
+    # end exercise
 
 
 def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -> dict:

@@ -83,6 +83,11 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, HEAD_DIM: tl.constex
         if CAUSAL:
             valid = valid & (offs_m[:, None] >= cols[None, :])
         s = tl.where(valid, s, -float("inf"))
+        # exercise K.5: FlashAttention's online softmax
+        # hint: per key block, in log2 units: the new running max, alpha = exp2(old max − new max) to rescale
+        #   l_i and acc, p = exp2(s − new max), l_i and acc updated with p (tl.dot(p in v's dtype, v)), the
+        #   max kept.
+        # test: tests/test_kernels.py::test_flash_attention_gqa
         # Online softmax. Key 0 is in the first block and visible to every row, so m_new is finite
         # from the first iteration on, and exp2(-inf - m_new) = 0 for masked entries.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,6 +96,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, HEAD_DIM: tl.constex
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+        # end exercise
 
     acc = acc / l_i[:, None]
     row_ok = offs_m < T

@@ -45,6 +45,10 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
 
+    # exercise K.4: cross-entropy's online log-sum-exp
+    # hint: one pass over the row in blocks of BLOCK_V with a running max m and s = Σ exp(x − m): a block that
+    #   raises the max to m' rescales, s = s·exp(m − m') + Σ_block exp(x − m'); then lse = m + log s.
+    # test: tests/test_kernels.py::test_fused_linear_cross_entropy
     # Pass 1, online log-sum-exp. Keep the running max m and sum s = Σ exp(x - m). When a block raises
     # the max to m', rescale: s' = s·exp(m - m') + Σ_block exp(x - m'). The result never overflows
     # and needs only one read of the row.
@@ -57,6 +61,7 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(s)
+    # end exercise
 
     # loss_row = lse - logit[target]. An ignored row reads column 0 (in bounds) and is zeroed below.
     safe_target = tl.where(valid, target, 0)

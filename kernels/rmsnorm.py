@@ -40,6 +40,10 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, C, eps, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
+    # exercise K.1: RMSNorm forward kernel
+    # hint: load the row of x and w (masked, in float32); rstd = rsqrt(Σx²/C + eps); round x·rstd to x's dtype
+    #   as Hugging Face does, times w, store y; store rstd, which the backward reads.
+    # test: tests/test_kernels.py::test_rmsnorm
     x = tl.load(X + row * C + cols, mask=mask, other=0.0).to(tl.float32)     # (BLOCK_C,)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / C + eps)       # padded columns are 0 and add nothing
@@ -47,6 +51,7 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, C, eps, BLOCK_C: tl.constexpr):
     x_hat = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * C + cols, (x_hat * w).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row, rstd)                             # 4 bytes per row, so backward skips the sum
+    # end exercise
 
 
 @triton.jit

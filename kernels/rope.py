@@ -55,12 +55,17 @@ def _rope_kernel(X, COS, SIN, OUT, H, T, HALF, BLOCK_T: tl.constexpr, BLOCK_HALF
     cos2 = tl.load(COS + row + HALF, mask=mask, other=0.0).to(tl.float32)
     sin1 = tl.load(SIN + row, mask=mask, other=0.0).to(tl.float32)
     sin2 = tl.load(SIN + row + HALF, mask=mask, other=0.0).to(tl.float32)
+    # exercise K.3: RoPE kernel
+    # hint: forward turns each pair: out1 = x1·cos1 − x2·sin1, out2 = x2·cos2 + x1·sin2; BACKWARD applies the
+    #   transpose of that rotation to dy.
+    # test: tests/test_kernels.py::test_rope
     if BACKWARD:    # transpose of the rotation: dx1 = dy1·cos1 + dy2·sin2,  dx2 = dy2·cos2 - dy1·sin1
         out1 = x1 * cos1 + x2 * sin2
         out2 = x2 * cos2 - x1 * sin1
     else:           # out1 = x1·cos1 - x2·sin1,  out2 = x2·cos2 + x1·sin2
         out1 = x1 * cos1 - x2 * sin1
         out2 = x2 * cos2 + x1 * sin2
+    # end exercise
     tl.store(OUT + base + row, out1.to(OUT.dtype.element_ty), mask=mask)
     tl.store(OUT + base + row + HALF, out2.to(OUT.dtype.element_ty), mask=mask)
 

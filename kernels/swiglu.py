@@ -53,11 +53,16 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, BLOCK: tl.constexpr):
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    # exercise K.2: SwiGLU backward kernel
+    # hint: recompute σ(g) and silu = g·σ; dg = dy·u·dsilu/dg with dsilu/dg = σ·(1 + g·(1 − σ)), du = dy·silu
+    #   (silu rounded to the input dtype, as the forward used it).
+    # test: tests/test_kernels.py::test_swiglu
     sig = tl.sigmoid(g)                                   # recomputed: cheaper than storing silu(g)
     silu = g * sig
     # d silu/dg = σ + g·σ·(1-σ) = σ·(1 + g·(1-σ))
     dg = dy * u * sig * (1.0 + g * (1.0 - sig))
     du = dy * silu.to(G.dtype.element_ty).to(tl.float32)
+    # end exercise
     tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
 

@@ -47,16 +47,16 @@ def small_model(dtype):
     return modeling.LlamaForCausalLM(config).to(dtype)
 
 
-def check_ring_attention(grid):
+def check_attention(grid, attn):
+    """`attn` (ring, all-gather K/V or Ulysses) in both layouts against dense attention: output and q/k/v
+    gradients, and the collectives each makes."""
     torch.manual_seed(1)
     q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, T, 8), torch.randn(B, 2, T, 8)   # GQA: 4 q / 2 kv heads
     dense = [_leaf(t) for t in (q, k, v)]
     out = modeling.sdpa_attention(*dense)        # float64 throughout (eager's softmax is float32)
     upstream = torch.randn_like(out)
     out.backward(upstream)
-    for kind, attn in [(kind, attn) for kind in context_parallel.LAYOUTS
-                       for attn in (context_parallel.RingAttention, allgather_kv.AllGatherKVAttention,
-                                    ulysses.UlyssesAttention)]:
+    for kind in context_parallel.LAYOUTS:
         layout = context_parallel.CPLayout(kind, grid.cp_size)
         pos = layout.positions(grid.cp_rank, T)
         mine = [_leaf(t[:, :, pos]) for t in (q, k, v)]
@@ -75,6 +75,7 @@ def check_ring_attention(grid):
             assert dict(forward.calls) == {("all_gather", "cp"): 1}
             assert dict(backward.calls) == {("reduce_scatter", "cp"): 1}
             assert forward.total_wire() == backward.total_wire() == 2 * B * 2 * (T // 2) * 8 * 8
+    return True
 
 
 def check_models(tp_grid, cp_grid):
@@ -184,25 +185,43 @@ def measure(tp_grid, cp_grid, solo_grid):
     return out
 
 
-def layer_level():
+ATTENTIONS = {"ring": context_parallel.RingAttention, "allgather": allgather_kv.AllGatherKVAttention,
+              "ulysses": ulysses.UlyssesAttention}
+
+
+def layer_level(part):
+    """One part on every rank: the "ring", "allgather" or "ulysses" attention twins, or the "models" twins
+    (float64) and then the measurements (float32), which it returns."""
     tp_grid = process_grid.build_process_grid(tp=2)
     cp_grid = process_grid.build_process_grid(cp=2)
     solo_grid = process_grid.build_process_grid(dp=2)         # its cp group is this rank alone
     torch.set_default_dtype(torch.float64)
-    check_ring_attention(cp_grid)
-    check_models(tp_grid, cp_grid)
-    torch.set_default_dtype(torch.float32)
+    try:
+        if part != "models":
+            return check_attention(cp_grid, ATTENTIONS[part])
+        check_models(tp_grid, cp_grid)
+    finally:
+        torch.set_default_dtype(torch.float32)
     return measure(tp_grid, cp_grid, solo_grid)
 
 
+LAYER_PARTS = (*ATTENTIONS, "models")
+
+
 @pytest.fixture(scope="module")
-def measured():
-    """One 2-rank spawn: the layer-level twins (asserted on the ranks) and the measurements."""
-    return run_ranks(layer_level, 2, timeout=180)
+def layer_runs():
+    """One 2-rank spawn runs the parts in turn; a part that raises is named, the others still run."""
+    return run_layouts(layer_level, {part: part for part in LAYER_PARTS}, 2, timeout=180)
 
 
-def test_ring_ulysses_and_sequence_parallel_match_dense_twins(measured):
-    assert len(measured) == 2   # the twins are asserted inside the ranks; a mismatch fails the spawn
+@pytest.fixture(scope="module")
+def measured(layer_runs):
+    return layout_results(layer_runs, "models")
+
+
+@pytest.mark.parametrize("part", LAYER_PARTS)
+def test_attention_and_models_match_dense_twins(layer_runs, part):
+    assert len(layout_results(layer_runs, part)) == 2   # the twins are asserted on the ranks
 
 
 def test_sequence_parallel_moves_the_same_bytes_as_tensor_parallel(measured):

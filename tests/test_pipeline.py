@@ -204,6 +204,45 @@ def test_schedule_formulas():
     assert schedules.interleaved_order(0, 4, 2, forward=False) == (0, 1)
 
 
+class RecordingPipe:
+    """What a schedule sees of `Pipeline` (p, rank, m; begin, forward, backward, finish), recording the order
+    of the passes and the micro-batches held instead of running them."""
+
+    def __init__(self, p, rank):
+        self.p, self.rank, self.chunks, self.passes, self.held, self.peak_held = p, rank, 1, [], 0, 0
+
+    def begin(self, micro_batches):
+        self.m = len(micro_batches)
+
+    def forward(self, micro, chunk=0):
+        self.passes.append(("F", micro))
+        self.held += 1
+        self.peak_held = max(self.peak_held, self.held)
+
+    def backward(self, micro, chunk=0):
+        self.passes.append(("B", micro))
+        self.held -= 1
+
+    def finish(self):
+        return 0.0
+
+
+@pytest.mark.parametrize("p, m", [(4, 4), (4, 9), (2, 3)])
+def test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank(p, m):
+    """1F1B's order of passes on every rank, without ranks: each micro-batch's F and B once, at most
+    p − rank micro-batches held (AFAB holds m), and the orders of all ranks replayed with ideal pass times
+    and the stages' data dependencies run without deadlock to exactly the theory bubble (p−1)/m."""
+    events = []
+    for rank in range(p):
+        pipe = RecordingPipe(p, rank)
+        schedules.train_step_1f1b(pipe, [None] * m)
+        assert sorted(pipe.passes) == sorted([(op, i) for op in "FB" for i in range(m)]), rank
+        assert pipe.peak_held == min(m, p - rank), rank
+        events += [schedules.Event(rank, op, micro, 0, t, t + 0.5)          # one pass per time unit
+                   for t, (op, micro) in enumerate(pipe.passes)]
+    assert timeline.replayed_bubble(events, p) == pytest.approx((p - 1) / m, abs=1e-12)
+
+
 def test_bad_layouts_fail_before_any_process_group(capsys):
     """Clear errors from the validation, raised before init_distributed."""
     check = pipeline.check_pipeline

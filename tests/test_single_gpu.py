@@ -79,6 +79,46 @@ def test_parameter_count_formula():
     assert sum(p.numel() for p in modeling.LlamaForCausalLM(c).parameters()) == expected
 
 
+def test_eager_attention_is_causal_attention_over_shared_kv_heads():
+    """`eager_attention` written out equals PyTorch's fused causal attention with each key/value head
+    repeated for its 2 query heads (GQA 4:2), and is causal: moving the last position's key and value
+    leaves every earlier output bit for bit as it was. float32 (eager's softmax runs in float32): 1e-6."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 7, 8, generator=g) for heads in (4, 2, 2))   # (B, nh or nkv, T, hd)
+    out = modeling.eager_attention(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fused = sdpa(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(out, fused, rtol=1e-6, atol=1e-6)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 1.0
+    v2[:, :, -1] += 1.0
+    moved = modeling.eager_attention(q, k2, v2)
+    assert torch.equal(moved[:, :, :-1], out[:, :, :-1])
+    assert not torch.allclose(moved[:, :, -1], out[:, :, -1])
+
+
+def test_rotary_embedding_turns_each_pair_by_position_times_frequency():
+    """RoPE (RoFormer): the model's `rotary_cos_sin` + `apply_rotary` turn the pair (x_i, x_{i+hd/2}) of
+    position m, read as the complex number x_i + i·x_{i+hd/2}, by the angle m·ω_i (ω from `rope_inv_freq`),
+    so q·k depends on the positions only through their difference. The angles are float32 as in the model,
+    the rest float64: 1e-6 is float32's rounding of angles up to ~30 rad."""
+    config = tiny_config(hidden_size=32)                                            # hd = 8
+    positions = torch.arange(31)
+    cos, sin = modeling.rotary_cos_sin(positions, config, torch.float64)            # (T, hd)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 31, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 31, 8, generator=g,
+                                                                                     dtype=torch.float64)
+    turned_q, turned_k = modeling.apply_rotary(q, k, cos, sin)
+    angles = (positions.float()[:, None] * modeling.rope_inv_freq(config)[None, :]).double()   # (T, hd/2)
+    for x, turned in ((q, turned_q), (k, turned_k)):
+        z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angles), angles)
+        torch.testing.assert_close(turned, torch.cat([z.real, z.imag], dim=-1), rtol=1e-6, atol=1e-6)
+    shift = 5                                  # every q and k 5 positions later: the same (T−5, T−5) scores
+    scores = turned_q[0, 0, :-shift] @ turned_k[0, 0, :-shift].T
+    q_later, k_later = modeling.apply_rotary(q[:, :, :-shift], k[:, :, :-shift], cos[shift:], sin[shift:])
+    torch.testing.assert_close(q_later[0, 0] @ k_later[0, 0].T, scores, rtol=1e-5, atol=1e-5)
+
+
 def test_config_errors_name_the_fix():
     with pytest.raises(ValueError, match="num_kv_heads=3 does not divide num_heads=4"):
         tiny_config(num_key_value_heads=3)

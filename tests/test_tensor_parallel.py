@@ -104,14 +104,25 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def check_layers():
+B, T, C, V = 2, 8, 32, 64
+
+
+def check_layers(part):
+    """One part of the twins on every rank: "f-and-f-bar" (the parallel linears through Megatron's regions)
+    or "model" (the vocab-parallel embedding and loss, attention, MLP, a layer, the clip), in float64."""
     grid = process_grid.build_process_grid(tp=2)
-    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
     torch.manual_seed(0)   # the same dense twins and inputs on every rank
     torch.set_default_dtype(torch.float64)
-    B, T, C, V = 2, 8, 32, 64
+    try:
+        (check_parallel_linears if part == "f-and-f-bar" else check_model_pieces)(grid)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return True
 
-    # Column-parallel (entered with f, gathered at the end) and row-parallel (scattered input).
+
+def check_parallel_linears(grid):
+    """Column-parallel (entered with f, gathered at the end) and row-parallel (scattered input)."""
+    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
     dense = nn.Linear(C, 48, bias=False)
     x = _leaf(torch.randn(B, T, C))
     dense_x = _leaf(x)
@@ -125,7 +136,10 @@ def check_layers():
     _twin_grads(row(tensor_parallel.scatter_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
                 [row.weight], [dense.weight], rank, size)
 
-    # The whole model's pieces: embedding, attention (GQA: 4 heads, 2 kv heads), MLP, layer, loss.
+
+def check_model_pieces(grid):
+    """The whole model's pieces: embedding, attention (GQA: 4 heads, 2 kv heads), MLP, layer, loss."""
+    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
     config = modeling.LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=48, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2)
     dense_model = modeling.LlamaForCausalLM(config)
@@ -161,8 +175,6 @@ def check_layers():
     torch.testing.assert_close(norm, dense_norm, **EXACT)
     for (name, p), dense_p in zip(model.named_parameters(), dense_model.parameters()):
         torch.testing.assert_close(p.grad, shard_like(dense_p.grad, p.grad, rank, size), **EXACT, msg=name)
-    torch.set_default_dtype(torch.float32)
-    return True
 
 
 def measure_communication():
@@ -186,8 +198,18 @@ def measure_communication():
     return {k: (dict(m.calls), dict(m.payload), dict(m.wire)) for k, m in meters.items()}
 
 
-def test_parallel_layers_match_dense_twins():
-    assert run_ranks(check_layers, 2, timeout=120) == [True, True]
+LAYER_PARTS = ("f-and-f-bar", "model")
+
+
+@pytest.fixture(scope="module")
+def layer_twins():
+    """One 2-rank spawn runs both parts in turn; a part that raises is named, the other still runs."""
+    return run_layouts(check_layers, {part: part for part in LAYER_PARTS}, 2, timeout=120)
+
+
+@pytest.mark.parametrize("part", LAYER_PARTS)
+def test_parallel_layers_match_dense_twins(layer_twins, part):
+    assert layout_results(layer_twins, part) == [True, True]   # the twins are asserted on the ranks
 
 
 def test_communication_matches_megatron_formula():

@@ -58,6 +58,11 @@ __global__ void matmul_tiled_kernel(const float* A, const float* B, float* C, in
     const int row = blockIdx.x * BS + ty;
     const int col = blockIdx.y * BS + tx;
     float acc = 0.f;
+    // exercise K.6: shared-memory tiling
+    // hint: for each 32-wide step k0 along K: every thread loads one element of the A tile and of the B tile
+    //   into As and Bs (0 outside the matrices), __syncthreads(), adds its 32 products As[ty][k] * Bs[k][tx]
+    //   to acc, and __syncthreads() again before the tiles are overwritten.
+    // test: tests/test_kernels_cuda_compile.py::test_cuda_kernels_compile_for_sm80_and_sm90
     for (int k0 = 0; k0 < K; k0 += BS) {
         // Each thread loads one element of each tile; tx runs along rows of A and B: coalesced.
         As[ty][tx] = (row < M && k0 + tx < K) ? A[(size_t)row * K + k0 + tx] : 0.f;
@@ -66,6 +71,7 @@ __global__ void matmul_tiled_kernel(const float* A, const float* B, float* C, in
         for (int k = 0; k < BS; ++k) acc += As[ty][k] * Bs[k][tx];
         __syncthreads();                                      // everyone done before the tiles are overwritten
     }
+    // end exercise
     if (row < M && col < N) C[(size_t)row * N + col] = acc;
 }
 

@@ -1,0 +1,371 @@
+"""Exercises mode: the solution blocks of the technique files, a student copy without them, and the proof.
+
+A solution block sits between two comments that stay readable in the solution (`//` in a .cu file):
+
+    # exercise 02.1: ring all-reduce
+    # hint: one line of help, continued on lines that start with "#   "
+    # test: tests/test_collectives.py::test_collectives_match_playbook_and_ring_all_reduce
+    ...the solution: complete statements inside a function...
+    # end exercise
+
+An exercise may have more blocks, each opened by a bare `# exercise 02.1`. IDs are NN.M for the folder
+NN_*, K.M for kernels/, and the list is the course, in that order. `make` copies the repository's files
+into OUT (no history) with every block replaced by a stub that raises NotImplementedError("exercise 02.1
+(ring all-reduce): <hint>") (#error in CUDA); the markers stay, so `list` run there says which are left.
+`check` proves the cycle a student lives through, in order: with the exercises before k solved and k and
+the later ones stubbed, k's test fails naming k and no other; `check --passing`: with k solved too, it
+passes. pytest sessions, one per core side by side, run every test, each under its own stubs, in a copy of
+the repository in which each block is guarded by the environment variable EXERCISES_STUBBED (a second
+round for the exercises that name other parameters of an already named test).
+
+    python tests/exercises.py list
+    python tests/exercises.py make ../student                # or --only 04.1 04.2
+    python tests/exercises.py check [--passing] [--only ID]  # ~90 CPU-seconds (--passing ~110)
+"""
+import argparse
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = (".py", ".cu", ".cuh", ".h", ".cpp")
+OPEN = re.compile(r"^(\s*)(#|//) exercise ([0-9]{2}|K)\.([0-9]+)(?:: (.+))?$")
+STUB_NAME = re.compile(r"exercise ((?:[0-9]{2}|K)\.[0-9]+) \(")   # how a stub's message names its exercise
+SKIP_DIRS = {"__pycache__", "venv", "node_modules"}     # and hidden folders (.git, .cache, .venv, ...)
+
+
+class ExerciseError(ValueError):
+    pass
+
+
+@dataclass
+class Block:
+    path: str                      # relative to the root
+    line: int                      # 1-based line of the opening marker
+    indent: str
+    comment: str                   # "#" or "//"
+    body: tuple                    # (first, last) 0-based line indices of the solution lines
+
+
+@dataclass
+class Exercise:
+    id: str
+    title: str = ""
+    hint: str = ""
+    test: str = ""
+    blocks: list = field(default_factory=list)
+
+    @property
+    def order(self):               # the course: folders 01-08, then kernels/
+        folder, number = self.id.split(".")
+        return (100 if folder == "K" else int(folder), int(number))
+
+    def message(self):
+        return f"exercise {self.id} ({self.title}): {self.hint}"
+
+
+def source_files(root: Path):
+    """The repository's source files, relative: git's tracked files when it is a clone, else a walk."""
+    if (root / ".git").exists():
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True, check=True)
+        names = [n for n in out.stdout.split("\0") if n and (root / n).is_file()]
+    else:
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not any(
+                 part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(root).parts[:-1])]
+    return sorted(names)
+
+
+def _header(lines, i, comment):
+    """The hint and test lines after an opening marker: -> (hint, test, index of the first body line)."""
+    fields, key = {"hint": [], "test": []}, None
+    while i < len(lines):
+        text = lines[i].strip()
+        match = re.match(rf"{re.escape(comment)} (hint|test): (.*)$", text)
+        if match:
+            key = match.group(1)
+            fields[key].append(match.group(2).strip())
+        elif key and lines[i].lstrip().startswith(comment + "   "):
+            fields[key].append(text[len(comment):].strip())
+        else:
+            break
+        i += 1
+    return " ".join(fields["hint"]), "".join(fields["test"]), i
+
+
+def parse(root: Path = ROOT) -> list:
+    """Every exercise of the technique files (tests/ is not searched), in course order; a malformed marker
+    raises ExerciseError naming its file and line."""
+    exercises = {}
+    for name in source_files(root):
+        if not name.endswith(SOURCES) or name.startswith("tests/"):
+            continue
+        lines = (root / name).read_text().splitlines()
+        functions = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef)] \
+            if name.endswith(".py") else []
+        i = 0
+        while i < len(lines):
+            match = OPEN.match(lines[i])
+            if not match:
+                if re.match(r"\s*(#|//) (end exercise\s*$|exercise \S+\.[0-9])", lines[i]):
+                    raise ExerciseError(f"{name}:{i + 1}: a marker outside 'exercise ID: title' ... "
+                                        f"'end exercise'")
+                i += 1
+                continue
+            indent, comment, folder, number, title = match.groups()
+            where, ex_id = f"{name}:{i + 1}", f"{folder}.{number}"
+            expected = "kernels/" if folder == "K" else f"{folder}_"
+            if not name.startswith(expected):
+                raise ExerciseError(f"{where}: exercise {ex_id} belongs in a file under {expected}*")
+            hint, test, start = _header(lines, i + 1, comment)
+            end = next((j for j in range(start, len(lines)) if OPEN.match(lines[j]) or
+                        lines[j].strip() == f"{comment} end exercise"), None)
+            if end is None or lines[end].rstrip() != f"{indent}{comment} end exercise":
+                raise ExerciseError(f"{where}: exercise {ex_id} has no '{comment} end exercise' at its "
+                                    f"indentation")
+            if not any(lines[j].strip() for j in range(start, end)):
+                raise ExerciseError(f"{where}: exercise {ex_id} has no solution lines")
+            if any(lines[j].strip() and not lines[j].startswith(indent) for j in range(start, end)):
+                raise ExerciseError(f"{where}: a solution line is indented less than its marker")
+            if name.endswith(".py") and not any(f.lineno < i + 1 and f.end_lineno >= end for f in functions):
+                raise ExerciseError(f"{where}: exercise {ex_id} is not inside a function (its stub would run "
+                                    f"when the module is imported)")
+            exercise = exercises.setdefault(ex_id, Exercise(ex_id))
+            if title:
+                if exercise.title:
+                    raise ExerciseError(f"{where}: exercise {ex_id} is defined twice (more blocks: "
+                                        f"'# exercise {ex_id}')")
+                if not hint or not test:
+                    raise ExerciseError(f"{where}: exercise {ex_id} needs a 'hint:' and a 'test:' line")
+                exercise.title, exercise.hint, exercise.test = title.strip(), hint, test
+            elif hint or test:
+                raise ExerciseError(f"{where}: hint and test go with the title, in the first block")
+            exercise.blocks.append(Block(name, i + 1, indent, comment, (start, end - 1)))
+            i = end + 1
+    for exercise in exercises.values():
+        where = f"{exercise.blocks[0].path}:{exercise.blocks[0].line}"
+        if not exercise.title:
+            raise ExerciseError(f"{where}: exercise {exercise.id} has no block with its title")
+        if '"' in exercise.message() and any(b.comment == "//" for b in exercise.blocks):
+            raise ExerciseError(f"{where}: no '\"' in a CUDA hint")
+    return sorted(exercises.values(), key=lambda e: e.order)
+
+
+def stub_lines(exercise: Exercise, block: Block) -> list:
+    """The student's lines in place of a block: a raise (Python), an #error (CUDA)."""
+    if block.comment == "//":
+        return [f"{block.indent}#error \"{exercise.message()}\""]
+    width = max(40, 110 - len(block.indent) - 6)
+    pieces = textwrap.wrap(exercise.message(), width, drop_whitespace=False) or [""]
+    literals = [json.dumps(piece, ensure_ascii=False) for piece in pieces]
+    if len(literals) == 1 and len(block.indent) + 27 + len(literals[0]) <= 110:
+        return [f"{block.indent}raise NotImplementedError({literals[0]})"]
+    return ([f"{block.indent}raise NotImplementedError("] +
+            [f"{block.indent}    {text}" for text in literals[:-1]] + [f"{block.indent}    {literals[-1]})"])
+
+
+def guarded_lines(exercise: Exercise, block: Block, lines: list) -> list:
+    """check's copy: the stub, active only while EXERCISES_STUBBED names the exercise, then the solution."""
+    first, last = block.body
+    if block.comment == "//":
+        macro = "EXERCISE_STUB_" + re.sub(r"\W", "_", exercise.id)
+        return ["#ifdef " + macro, *stub_lines(exercise, block), "#endif", *lines[first:last + 1]]
+    condition = f'"{exercise.id}" in __import__("os").environ.get("EXERCISES_STUBBED", "").split(",")'
+    inner = Block(block.path, block.line, block.indent + "    ", block.comment, block.body)
+    return [f"{block.indent}if {condition}:", *stub_lines(exercise, inner), *lines[first:last + 1]]
+
+
+def write_copy(root: Path, out: Path, exercises: list, replace) -> Path:
+    """Copy the repository's files into out, each block replaced by replace(exercise, block, lines)."""
+    out = Path(out).resolve()
+    if out == root or root in out.parents:
+        raise ExerciseError(f"{out} is inside the repository: write the copy somewhere else")
+    if out.exists() and any(out.iterdir()):
+        raise ExerciseError(f"{out} exists and is not empty: choose a new folder")
+    for name in source_files(root):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, out / name)
+    by_file = {}
+    for exercise in exercises:
+        for block in exercise.blocks:
+            by_file.setdefault(block.path, []).append((exercise, block))
+    for name, blocks in by_file.items():
+        lines = (root / name).read_text().splitlines()
+        for exercise, block in sorted(blocks, key=lambda eb: -eb[1].line):     # bottom up: indices hold
+            first, last = block.body
+            lines[first:last + 1] = replace(exercise, block, lines)
+        (out / name).write_text("\n".join(lines) + "\n")
+    return out
+
+
+def make(out, only=None, root: Path = ROOT) -> list:
+    """The student copy: every exercise's blocks (or only the IDs in `only`) stubbed. Returns the stubbed."""
+    exercises = parse(root)
+    chosen = select(exercises, only)
+    write_copy(root, out, chosen, lambda exercise, block, lines: stub_lines(exercise, block))
+    return chosen
+
+
+def select(exercises, only):
+    known = {e.id for e in exercises}
+    unknown = sorted(set(only or ()) - known)
+    if unknown:
+        raise ExerciseError(f"no exercise {', '.join(unknown)} (python tests/exercises.py list shows them)")
+    return [e for e in exercises if not only or e.id in only]
+
+
+def is_stub(exercise: Exercise, block: Block, root: Path) -> bool:
+    lines = (root / block.path).read_text().splitlines()
+    return lines[block.body[0]:block.body[1] + 1] == stub_lines(exercise, block)
+
+
+def listing(root: Path = ROOT) -> str:
+    exercises = parse(root)
+    rows = [f"{len(exercises)} exercises in course order; run each test from the repository root "
+            f"(status: 'todo' while a block is still a stub)", ""]
+    for e in exercises:
+        status = "todo" if any(is_stub(e, b, root) for b in e.blocks) else "written"
+        where = ", ".join(f"{b.path}:{b.line}" for b in e.blocks)
+        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})",
+                 f"{'':14}python -m pytest -q {shlex.quote(e.test)}"]
+    return "\n".join(rows)
+
+
+# ======================================================================================
+# check: one pytest session per round, each named test under its own stubs
+# ======================================================================================
+@dataclass
+class Outcome:
+    exercise: str
+    status: str                    # "ok", "wrong" (the cycle is broken), "skipped" (the test skipped itself)
+    detail: str = ""
+
+
+def _cases(xml_path: Path) -> dict:
+    """{test node id: (outcome, text)} from pytest's JUnit XML (outcome: passed, failed, skipped)."""
+    cases = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        nodeid = case.get("classname").replace(".", "/") + ".py::" + case.get("name")
+        kids = {child.tag: child for child in case}
+        kind = next((k for k in ("failure", "error", "skipped") if k in kids), "passed")
+        text = "" if kind == "passed" else f"{kids[kind].get('message', '')}\n{kids[kind].text or ''}"
+        cases[nodeid] = ("skipped" if kind == "skipped" else "failed" if kind != "passed" else "passed", text)
+    return cases
+
+
+def _judge(exercise, cases, passing, known):
+    mine = {k: v for k, v in cases.items() if k == exercise.test or k.startswith(exercise.test + "[")}
+    if not mine:
+        return Outcome(exercise.id, "wrong", f"pytest collected no test {exercise.test}")
+    for nodeid, (kind, text) in mine.items():
+        named = set(STUB_NAME.findall(text)) & known
+        if kind == "skipped":
+            return Outcome(exercise.id, "skipped", f"{nodeid} skipped: {text.strip().splitlines()[0]}")
+        if passing and kind != "passed":
+            return Outcome(exercise.id, "wrong", f"{nodeid} fails with {exercise.id} solved and the later "
+                                                 f"exercises stubbed:\n{text[-3000:]}")
+        if not passing and (kind != "failed" or named != {exercise.id}):
+            what = "passes" if kind == "passed" else f"fails naming {sorted(named) or 'no exercise'}"
+            return Outcome(exercise.id, "wrong", f"{nodeid} {what} with {exercise.id} and the later "
+                                                 f"exercises stubbed (it must fail naming {exercise.id} "
+                                                 f"alone):\n{text[-3000:]}")
+    return Outcome(exercise.id, "ok", f"{len(mine)} test(s)")
+
+
+def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 1800) -> list:
+    """The cycle for every exercise (or `only`): [Outcome] in course order. Without `passing`: exercise k's
+    test, with the exercises before k solved and k and the later ones stubbed, fails naming k alone. With
+    `passing`: with k solved too, it passes."""
+    exercises = parse(root)
+    chosen, ids = select(exercises, only), [e.id for e in exercises]
+    # One session per round. A round runs each test function once: exercises naming the same function
+    # (or its parameters, which may share its module's fixtures) go to different rounds.
+    rounds = []
+    for exercise in chosen:
+        function = exercise.test.split("[")[0]
+        free = next((r for r in rounds if all(t.split("[")[0] != function for t in r)), None)
+        if free is None:
+            free = {}
+            rounds.append(free)
+        free[exercise.test] = (exercise, ids[ids.index(exercise.id) + passing:])
+    outcomes = {}
+    with tempfile.TemporaryDirectory(prefix="exercises-") as scratch:
+        scratch = Path(scratch)
+        tree = write_copy(root, scratch / "tree", exercises, guarded_lines)
+        if (root / ".cache").is_dir():    # the data cache conftest builds: shared, not rebuilt
+            (tree / ".cache").symlink_to(root / ".cache")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EXERCISES_STUBBED")}
+        env.update(PYTHONPATH=str(tree / "tests"), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # CPU
+        # Each round's tests in as many sessions as the machine has cores (at most 4), run side by side:
+        # a session is mostly one Python thread, so one per core.
+        cores = max(1, min(4, os.cpu_count() or 1))
+        sessions = [dict(list(plan.items())[k::cores]) for plan in rounds for k in range(cores)]
+
+        def run(n, plan):
+            plan_env = dict(env, EXERCISES_PLAN=str(scratch / f"plan{n}.json"))
+            Path(plan_env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s) in plan.items()}))
+            xml = scratch / f"session{n}.xml"
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                                   "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=plan_env,
+                                  capture_output=True, text=True, timeout=timeout)
+            if not xml.exists():
+                raise ExerciseError(f"pytest did not run the exercise tests:\n{done.stdout[-3000:]}"
+                                    f"{done.stderr[-3000:]}")
+            return plan, _cases(xml)
+        with ThreadPoolExecutor(cores) as pool:
+            for plan, cases in pool.map(run, *zip(*[(n, plan) for n, plan in enumerate(sessions) if plan])):
+                for exercise, _ in plan.values():
+                    outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
+    return [outcomes[e.id] for e in chosen]
+
+
+# ======================================================================================
+# Command line
+# ======================================================================================
+class Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line, no usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv=None):
+    parser = Parser(prog="python tests/exercises.py", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="the exercises in course order, each with its test and status")
+    maker = commands.add_parser("make", help="write a student copy of the repository into OUT")
+    maker.add_argument("out", metavar="OUT", help="a new folder outside the repository")
+    checker = commands.add_parser("check", help="prove the make / fail / pass cycle of every exercise")
+    checker.add_argument("--passing", action="store_true",
+                         help="the passing side: k's test passes with k solved")
+    for sub in (maker, checker):
+        sub.add_argument("--only", nargs="+", metavar="ID", help="these exercises only (e.g. 04.1 04.2)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            print(listing())
+        elif args.command == "make":
+            done = make(args.out, args.only)
+            print(f"{args.out}: a student copy with {len(done)} exercises stubbed; "
+                  f"there: python tests/exercises.py list")
+        else:
+            outcomes = check(args.passing, args.only)
+            for o in outcomes:
+                print(f"{o.exercise:<5} {o.status:<8} {o.detail}")
+            if any(o.status == "wrong" for o in outcomes):
+                sys.exit(1)
+    except ExerciseError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    main()
