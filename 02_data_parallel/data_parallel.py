@@ -54,13 +54,14 @@ class DataParallel:
     """Naive data parallelism: `finish_gradients` all-reduces every gradient after backward.
 
     The step (02's train.py) runs every micro-batch's backward but the last inside `no_sync()`, then
-    calls `finish_gradients`. `events` records ("grad", i) when parameter i's gradient is complete and
-    ("launch", k) when collective k is issued; `step_events` keeps the last finished step's, so a test
-    can see whether communication started before backward ended.
+    calls `finish_gradients`. `events` records ("grad", i) when parameter i's gradient is complete,
+    ("launch", k) when collective k is issued and ("finish", None) when finish_gradients begins;
+    `step_events` keeps the last finished step's, so a test can see whether communication started
+    before backward ended.
     """
 
-    def __init__(self, model, group):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, params, group):
+        self.params = [p for p in params if p.requires_grad]
         self.group, self.size = group, dist.get_world_size(group)
         self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
         self.events, self.step_events = [], []
@@ -87,21 +88,26 @@ class DataParallel:
 # overlap: an async all-reduce per parameter, launched from its gradient hook
 # ======================================================================================
 class OverlapDataParallel(DataParallel):
-    def __init__(self, model, group):
-        super().__init__(model, group)
+    def __init__(self, params, group):
+        super().__init__(params, group)
         self.pending = []                           # (work handle, param) in launch order
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(p, i))
 
     def _grad_ready(self, p, i):
         """Runs inside backward once p.grad holds this backward's full contribution."""
-        if not self.require_backward_grad_sync:
+        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
             return
         self.events += [("grad", i), ("launch", len(self.pending))]
         work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
         self.pending.append((work, p))
 
     def finish_gradients(self):
+        self.events.append(("finish", None))
+        launched = {id(p) for _, p in self.pending}
+        for i, p in enumerate(self.params):         # a gradient its hook did not see in the synchronising
+            if p.grad is not None and id(p) not in launched:   # backward (08: accumulated earlier)
+                self._grad_ready(p, i)
         for work, p in self.pending:                # the last launches may still be in flight
             work.wait()
             p.grad.div_(self.size)
@@ -121,7 +127,7 @@ class Bucket:
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.ready, self.work = 0, None
+        self.copied, self.work = set(), None        # which params' gradients are in `flat` this step
 
     def view_of(self, j):
         return self.flat[self.offsets[j]:self.offsets[j + 1]].view_as(self.params[j])
@@ -142,8 +148,8 @@ def make_buckets(params, bucket_bytes):
 
 
 class BucketDataParallel(DataParallel):
-    def __init__(self, model, group, bucket_mb: float):
-        super().__init__(model, group)
+    def __init__(self, params, group, bucket_mb: float):
+        super().__init__(params, group)
         self.buckets = make_buckets(self.params, bucket_mb * 2**20)
         self.launched = 0
         for bucket in self.buckets:
@@ -151,14 +157,14 @@ class BucketDataParallel(DataParallel):
                 p.register_post_accumulate_grad_hook(lambda p, b=bucket, j=j, i=i: self._grad_ready(b, j, i))
 
     def _grad_ready(self, bucket, j, i):
-        if not self.require_backward_grad_sync:
-            return
         p = bucket.params[j]
+        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+            return
         bucket.view_of(j).copy_(p.grad)
         p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket
-        bucket.ready += 1
+        bucket.copied.add(j)
         self.events.append(("grad", i))
-        if bucket.ready == len(bucket.params):
+        if len(bucket.copied) == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket):
@@ -167,17 +173,22 @@ class BucketDataParallel(DataParallel):
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def finish_gradients(self):
+        self.events.append(("finish", None))
         for bucket in self.buckets:
             if bucket.work is None:                 # a parameter that got no gradient: send zeros
                 for j, p in enumerate(bucket.params):
+                    if j in bucket.copied:
+                        continue
                     if p.grad is None:
                         bucket.view_of(j).zero_()
-                        p.grad = bucket.view_of(j)
+                    else:                           # 08: accumulated before the synchronising pass
+                        bucket.view_of(j).copy_(p.grad)
+                    p.grad = bucket.view_of(j)
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.flat.div_(self.size)             # (Σ numel,): every .grad in it is now the mean
-            bucket.ready, bucket.work = 0, None
+            bucket.copied, bucket.work = set(), None
         self.launched = 0
         self._end_step()
 
@@ -204,12 +215,12 @@ def check_data_parallel(bucket_mb: float):
         raise ValueError(f"--bucket-mb must be positive, got {bucket_mb}")
 
 
-def wrap(model, group, mode: str, bucket_mb: float = 25.0) -> DataParallel:
-    """The DataParallel object for --dp-mode naive | overlap | bucket."""
+def wrap(params, group, mode: str, bucket_mb: float = 25.0) -> DataParallel:
+    """The DataParallel object over `params` for --dp-mode naive | overlap | bucket."""
     if mode == "naive":
-        return DataParallel(model, group)
+        return DataParallel(params, group)
     if mode == "overlap":
-        return OverlapDataParallel(model, group)
+        return OverlapDataParallel(params, group)
     if mode == "bucket":
-        return BucketDataParallel(model, group, bucket_mb)
+        return BucketDataParallel(params, group, bucket_mb)
     raise ValueError(f"--dp-mode {mode!r}: choose naive, overlap or bucket")

@@ -71,7 +71,7 @@ def run(args, config, dataset, grid):
     """Returns (records, model, the DataParallel object, the communication meter)."""
     model = build.materialize(build.build_model(args, config), args)      # a full replica on every rank
     recompute.apply_recompute(model, args.recompute)
-    ddp = data_parallel.wrap(model, grid.dp_group, args.dp_mode, args.bucket_mb)
+    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

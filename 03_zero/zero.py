@@ -23,6 +23,7 @@ New compared with 02: the flat units, the sharded optimizer, and where each coll
 builds the units from the stage modules, leaves the experts (`exclude`) to a second ZeRO whose gradient
 is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules for the norm.
 """
+import contextlib
 import math
 import warnings
 from importlib import import_module
@@ -129,15 +130,24 @@ class ZeRO:
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
     finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
 
-    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, grad_dtype=None):
+    def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, grad_dtype=None,
+                 pipelined=False, before_reduce=None):
         """`exclude`: parameters another ZeRO shards (08: the experts, over other ranks); `divisor`: the
         gradient is the sum over `group` divided by it (default: the group's size, the mean); `source`:
         where meta parameters get their values (01's materialize.Source; stage 3 never holds them all);
         `grad_dtype`: the dtype gradients are reduced and accumulated in (default: the parameters'; 01's
-        bf16-20 layout: fp32 under bf16 parameters)."""
+        bf16-20 layout: fp32 under bf16 parameters).
+        `pipelined` (08, under a pipeline schedule): a unit's gradients accumulate over the step's
+        backwards and are reduce-scattered in the one its caller leaves outside `no_sync`, units not
+        reduced then at `finish_gradients`; stage 3 gathers what `gather` is given and keeps it until
+        the unit's reduce-scatter (no module hooks: a pipeline chunk runs many times per step).
+        `before_reduce(params)` runs on full gradients just before they are reduced (08: SP's and the kv
+        heads' sums over tp)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
-        self.group, self.stage = group, stage
+        self.group, self.stage, self.pipelined = group, stage, pipelined
+        self.before_reduce = before_reduce or (lambda params: None)
+        self.require_backward_grad_sync = True       # False inside no_sync(): gradients only accumulate
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
         exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
@@ -156,6 +166,7 @@ class ZeRO:
         for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
             materialize.swap_parameters(module, materialized)
         self.in_flight, self.events, self.callback_queued = [], [], False
+        self.gathered_bytes = self.peak_gathered_bytes = 0       # stage 3: full units held (measured)
         for unit in self.units:
             for p, view in zip(unit.params, unit.views(unit.grad_full) if stage == 1 else unit.params):
                 if stage > 1:
@@ -163,7 +174,7 @@ class ZeRO:
                 elif not unit.grad_views:   # bf16-20: each micro-batch's bf16 .grad added into fp32, zeroed
                     p.register_post_accumulate_grad_hook(
                         lambda p, view=view: mixed_precision.accumulate(p, view))
-            if stage == 3:
+            if stage == 3 and not pipelined:
                 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
                 # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
@@ -200,10 +211,23 @@ class ZeRO:
             else:
                 unit.shard_grad.zero_()
 
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True):
+        """Stages 2-3: the hooks leave the gradients to accumulate in .grad (02's no_sync)."""
+        self.require_backward_grad_sync = not enabled
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
     def finish_gradients(self):
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
         gradients, / divisor (the mean)."""
+        if self.stage > 1 and self.pipelined:
+            self.events.append(("finish", None))
+            self._end_of_backward()               # the units no synchronising backward completed
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
+            self.before_reduce([p for u in self.units for p in u.params])
             # exercise 03.1: ZeRO-1: reduce-scatter the gradients, all-gather the shards
             # hint: finish_gradients: for every unit, an async reduce-scatter (comm.reduce_scatter_flat) of
             #   its flat gradient grad_full (U,) into its own slice [lo, hi), then wait for them all;
@@ -254,7 +278,10 @@ class ZeRO:
     # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
     # ==================================================================================
     def _grad_ready(self, unit):
-        if not self.callback_queued:   # once per backward: flush what is left when it ends (as DDP does)
+        if not self.require_backward_grad_sync:
+            return
+        if not self.callback_queued and not self.pipelined:   # once per backward: flush what is left
+            # when it ends (as DDP does); pipelined, the step's other passes may still add to it
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.callback_queued = True
         unit.ready += 1
@@ -263,6 +290,7 @@ class ZeRO:
             self._reduce_scatter(unit)
 
     def _reduce_scatter(self, unit):
+        self.before_reduce(unit.params)
         flat = unit.shard_grad.new_zeros(unit.padded)                         # (U,) in the gradients' dtype
         for p, view in zip(unit.params, unit.views(flat)):
             if p.grad is not None:
@@ -300,6 +328,16 @@ class ZeRO:
         unit.gather_work = comm.all_gather_flat(unit.full, unit.shard, group=self.group,
                                                 async_op=True)                 # (U/N,) -> (U,)
         self.events.append(("gather_issued", unit.index))
+        self.gathered_bytes = sum(u.padded * u.full.element_size() for u in self.units
+                                  if u.gathered or u.gather_work is not None)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def gather(self, units):
+        """Pipelined stage 3: have `units` (a pipeline chunk's) whole, issuing their all-gathers at once."""
+        for unit in units:
+            self._gather(unit)
+        for unit in units:
+            self._materialize(unit)
 
     def _materialize(self, unit):
         """Block until unit's full parameters are here (gathering them now if nobody prefetched)."""
@@ -328,15 +366,22 @@ class ZeRO:
             work.wait()
         # end exercise
 
-    def full_state_dict(self, model):
-        """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every unit's full parameters present inside (stage 3 gathers, then frees them; collective)."""
         for unit in self.units:
             self._materialize(unit)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        for unit in self.units:
-            if self.stage == 3:
-                unit.free()
-        return state
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                if self.stage == 3:
+                    unit.free()
+
+    def full_state_dict(self, model):
+        """name -> full tensor (a copy), gathering stage 3's shards (collective)."""
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def model_state_bytes(self, model, optimizer):
         """(parameters, gradients, optimizer states) bytes this rank really holds (distinct storages) on the

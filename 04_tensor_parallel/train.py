@@ -82,7 +82,7 @@ def run(args, config, dataset, grid):
         partition_activations.apply_partitioned_recompute(model, grid.tp_group)
     else:
         recompute.apply_recompute(model, args.recompute)
-    ddp = data_parallel.wrap(model, grid.dp_group, args.dp_mode, args.bucket_mb)
+    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

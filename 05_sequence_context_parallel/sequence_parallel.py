@@ -100,6 +100,8 @@ def norm_weights(model):
 def all_reduce_norm_gradients(norm_weights, tp_group):
     """Sum the norm-weight gradients over tp (each rank saw T/t tokens): one flat all-reduce."""
     grads = [p.grad for p in norm_weights if p.grad is not None]
+    if not grads:                          # (08's ZeRO calls it per unit: the embedding's has no norm)
+        return
     flat = torch.cat([g.flatten() for g in grads])                         # (Σ numel,)
     dist.all_reduce(flat, group=tp_group)
     for g, summed in zip(grads, flat.split([g.numel() for g in grads])):

@@ -93,7 +93,7 @@ def run(args, config, dataset, grid):
     build.materialize(model, args)                                  # then this rank's shards get their values
     norm_weights = sequence_parallel.norm_weights(model) if args.sp else []
     recompute.apply_recompute(model, args.recompute)
-    ddp = data_parallel.wrap(model, grid.cp_dp_group, args.dp_mode, args.bucket_mb)
+    ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

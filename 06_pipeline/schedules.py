@@ -22,6 +22,7 @@ clock (the host's on the CPU, CUDA events on a GPU). ZB-H1's B/W split is zero_b
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 New compared with 02: the micro-batch loop of the step becomes one of these orders of passes.
 """
+import contextlib
 import time
 from dataclasses import dataclass
 from importlib import import_module
@@ -93,16 +94,34 @@ def pass_clock(device):
     return DeviceClock(torch.cuda.Event) if device.type == "cuda" else HostClock()
 
 
+class NoGradientSync:
+    """The `grad_sync` of a pipeline whose gradients are reduced after the schedule (06's train.py)."""
+
+    def forward(self, chunk):
+        return contextlib.nullcontext()
+
+    def backward(self, chunk, final):
+        return contextlib.nullcontext()
+
+
 class Pipeline:
     """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
     chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
 
     split_backward (ZB-H1, ZB-V, DualPipeV): the linear layers' dW can be split off the backward
     (zero_bubble.py) into `weight_store`, which this pipeline owns; `backward_input` and
-    `backward_weight` run the halves, `backward` still runs both at once."""
+    `backward_weight` run the halves, `backward` still runs both at once.
 
-    def __init__(self, stages, p2p, clock=None, split_backward=False):
+    grad_sync (08): every pass runs inside `grad_sync.forward(chunk)` or `grad_sync.backward(chunk,
+    final)`. A chunk gets one B and, split, one W per micro-batch (a whole backward counts as both), so
+    the pipeline counts them: `final` is True on the pass that completes the chunk's m-th of every kind
+    it does, after which the gradients it adds to (W: the split linears', B: the others') are complete
+    for the step, whatever the schedule's order. Data parallelism reduces them then (02's `no_sync` on
+    the other passes; 08's gradient_sync.py; what no final pass reduced, finish_gradients does)."""
+
+    def __init__(self, stages, p2p, clock=None, split_backward=False, grad_sync=None):
         self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
+        self.grad_sync = grad_sync or NoGradientSync()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
         # the pp rank of the last block, which computes the loss: p − 1, or 0 V-wise
         self.loss_rank = pipeline.rank_of_block(self.p * self.chunks - 1, self.p, p2p.v_shape)
@@ -114,6 +133,8 @@ class Pipeline:
     def begin(self, micro_batches):
         self.micro_batches, self.m = micro_batches, len(micro_batches)
         self.saved, self.loss, self.events, self.peak_held, self._stamps = {}, 0.0, [], 0, []
+        kinds = ("B", "W") if self.weight_store else ("B",)
+        self.passes_left = {(kind, c): self.m for kind in kinds for c in range(self.chunks)}
         self.p2p.sent = []
         self.clock.begin_step()
 
@@ -122,6 +143,11 @@ class Pipeline:
         result = fn()
         self._stamps.append((op, micro, chunk, start, self.clock.stamp()))
         return result
+
+    def _final(self, kind, chunk):
+        """Count a pass of `kind` on `chunk`: True if it is the chunk's last of that kind in the step."""
+        self.passes_left[kind, chunk] -= 1
+        return self.passes_left[kind, chunk] == 0
 
     def _held(self):
         return len(self.saved) + (self.weight_store.pending() if self.weight_store else 0)
@@ -132,7 +158,8 @@ class Pipeline:
         x, labels = self.micro_batches[micro]                                 # (mbs, T) each
         if not stage.is_first:
             x = self.p2p.recv_forward(micro, chunk)                           # (mbs, T, C)
-        out, aux = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
+        with self.grad_sync.forward(chunk):                                  # ZeRO-3: the chunk gathered
+            out, aux = self._timed("F", micro, chunk, lambda: stage(x, labels if stage.is_last else None))
         if stage.is_last:
             out = (out + aux) / self.m                                        # 01 averages over micro-batches
             self.loss += out.detach()
@@ -149,7 +176,10 @@ class Pipeline:
         stage = self.stages[chunk]
         x, out = self.saved.pop((micro, chunk))
         dout = None if stage.is_last else self.p2p.recv_backward(micro, chunk)   # (mbs, T, C)
-        self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
+        whole = self.weight_store is not None and self.weight_store.collecting is None   # B and W at once
+        final = all([self._final(kind, chunk) for kind in ("B", "W")[:1 + whole]])     # count each kind
+        with self.grad_sync.backward(chunk, final=final):                   # the last: DP may reduce
+            self._timed("B", micro, chunk, lambda: torch.autograd.backward(out, dout))
         if x is not None:
             self.p2p.send_backward(x.grad, micro, chunk)
 
@@ -161,13 +191,14 @@ class Pipeline:
 
     def backward_weight(self, micro: int, chunk: int = 0):
         """ZB's W: the queued dW matmuls of (micro, chunk), added into .grad; no communication."""
-        self._timed("W", micro, chunk, lambda: self.weight_store.run((micro, chunk)))
+        with self.grad_sync.backward(chunk, final=self._final("W", chunk)):
+            self._timed("W", micro, chunk, lambda: self.weight_store.run((micro, chunk)))
 
     def finish(self):
         self.p2p.finish()
         deferred = self.weight_store.queues if self.weight_store else {}
-        assert not self.saved and not deferred, \
-            f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}"
+        assert not self.saved and not deferred and not any(self.passes_left.values()), \
+            f"unfinished: B of {sorted(self.saved)}, W of {sorted(deferred)}, passes {self.passes_left}"
         times = self.clock.seconds([t for *_, start, end in self._stamps for t in (start, end)])
         self.events = [Event(self.rank, op, micro, chunk, start, end) for (op, micro, chunk, *_), start, end
                        in zip(self._stamps, times[::2], times[1::2])]

@@ -11,7 +11,8 @@ independent matmuls:
 `WeightGradStore` is collecting, in which case it queues (W, X, dY) under the store's key. A ZB B pass
 is then an ordinary backward run while the store collects for (micro-batch, chunk); its W pass
 (`WeightGradStore.run`) does the queued matmuls and adds them into `.grad` in place (ZeRO-1's `.grad`
-is a view into a flat buffer): matmuls only, no communication. The split sits at the local matmul,
+is a view into a flat buffer) through autograd's AccumulateGrad, whose gradient hooks 08's data
+parallelism listens to: matmuls only, no communication of its own. The split sits at the local matmul,
 before a row-parallel layer's exit collective (04's `linear_fn`), so every collective's backward runs
 once, in B. Parameters that are not matmul weights (embedding, norms) and the fused loss's weight
 (kernels/, whose gradient is computed inside its forward) get their gradients during B.
@@ -54,11 +55,15 @@ class WeightGradStore:
         """Keys whose W has not run yet (their X and dY are held)."""
         return len(self.queues)
 
-    @torch.no_grad()
     def run(self, key):
         """The W pass of `key`: dW = dYᵀ·X for every queued linear, added into its weight's .grad."""
-        for weight, x, dy in self.queues.pop(key):
-            accumulate_grad(weight, weight_gradient(x, dy))
+        dws = {}                    # weight -> its Σ dW (one hook call per weight and pass, as in a B)
+        with torch.no_grad():
+            for weight, x, dy in self.queues.pop(key):
+                dw = weight_gradient(x, dy).to(weight.dtype)       # bf16 dW into the fp32 master gradient
+                dws[weight] = dws[weight] + dw if weight in dws else dw   # tensors hash by identity
+        for weight, dw in dws.items():
+            accumulate_grad(weight, dw)
 
 
 def weight_gradient(x, dy):
@@ -67,19 +72,21 @@ def weight_gradient(x, dy):
 
 
 def accumulate_grad(weight, dw):
-    """What autograd's AccumulateGrad does: add into an existing .grad in place, else set it."""
-    if weight.grad is None:
-        weight.grad = dw.to(weight.dtype)
-    else:
-        weight.grad.add_(dw)        # bf16 dW into the fp32 master gradient, like autocast's cast backward
+    """Autograd's own AccumulateGrad: `dw` added into .grad in place (set if None), then the weight's
+    post-accumulate-grad hooks run, so 02's and 03's gradient-ready hooks fire on a W pass as on a B."""
+    torch.autograd.backward(weight, dw)         # a leaf: its only node is AccumulateGrad
 
 
 class SplitLinear(torch.autograd.Function):
-    """Y = X·Wᵀ; backward: dX now, dW now or queued in `store` (see the module docstring)."""
+    """Y = X·Wᵀ; backward: dX now, dW now or queued in `store` (see the module docstring). The weight comes
+    in a box autograd does not look into: dW always enters .grad through `accumulate_grad`, at once or in
+    W, so its gradient hooks run once per contribution (autograd runs an input's hooks even when its
+    backward gives it no gradient: a B would run them on what earlier Ws left in .grad)."""
 
     @staticmethod
-    def forward(ctx, x, weight, dtype, store):
-        w = weight.to(dtype)                       # autocast's cast of the fp32 master weight (bf16)
+    def forward(ctx, x, weight_box, dtype, store):
+        weight, = weight_box
+        w = weight.detach().to(dtype)              # autocast's cast of the fp32 master weight (bf16)
         ctx.save_for_backward(x, w)                # through save_for_backward: recomputation manages them
         ctx.store, ctx.weight = store, weight
         return F.linear(x, w)                      # (…, in) -> (…, out)
@@ -87,23 +94,23 @@ class SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):                         # dy (…, out)
         x, w = ctx.saved_tensors
-        dx = dy @ w if ctx.needs_input_grad[0] else None           # (…, out)·(out, in) -> (…, in)
-        dw = None
-        if ctx.needs_input_grad[1]:
+        if ctx.weight.requires_grad:
             if ctx.store.collecting is not None:
                 ctx.store.queues[ctx.store.collecting].append((ctx.weight, x, dy))
             else:
-                dw = weight_gradient(x, dy).to(ctx.weight.dtype)
-        return dx, dw, None, None
+                accumulate_grad(ctx.weight, weight_gradient(x, dy).to(ctx.weight.dtype))
+        return dy @ w, None, None, None            # (…, out)·(out, in) -> (…, in)
 
 
 def split_linear(x, weight, store):
     """F.linear(x, weight) (no bias) whose dW the store can defer; computes in autocast's dtype when
     autocast is on (bf16 matmuls, fp32 master weight), as F.linear does."""
+    if not x.requires_grad:        # autograd would never run the backward (the weight is not its input)
+        return F.linear(x, weight)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):     # the Function casts itself: no second cast inside
-        return SplitLinear.apply(x.to(dtype), weight, dtype, store)
+        return SplitLinear.apply(x.to(dtype), (weight,), dtype, store)
 
 
 def _split_forward(module, store):

@@ -1,43 +1,42 @@
-"""ZeRO-1 in the 5D trainer (`--zero-stage 1`): the optimizer states sharded over the data-parallel ranks.
+"""ZeRO-1, 2 and 3 in the 5D trainer (`--zero-stage`): model states sharded over the data-parallel ranks.
 
 Playbook §2.2 (ZeRO) with §2.8 and chapter 3 ("ZeRO-1/2 + PP fine"), Megatron-LM's distributed
-optimizer, Rajbhandari et al. §5.1. Every (pp, tp) rank holds its own parameters; the N = cp·dp ranks
+optimizer, Rajbhandari et al. §5. Every (pp, tp) rank holds its own parameters; the N = cp·dp ranks
 that hold the same ones (`cp_dp_group`) split them with 03's flat units (the embedding, each decoder
 layer, the final norm, the head of the stage chunks this rank holds), and AdamW (01's) steps only this
 rank's slice. The experts form units of their own, sharded over the N/ep ranks that hold them
-(`expert_dp_group`), whose gradient is the sum divided by N (07's rule). After the last micro-batch:
+(`expert_dp_group`), whose gradient is the sum divided by N (07's rule). Under a pipeline schedule a
+chunk runs m forwards and m backwards per step (06's Pipeline says which backward is its last):
 
-    SP's norm gradients summed over tp (05)  ->  reduce-scatter (U,) -> (U/N,) per unit, / N
-    -> clip by the whole model's norm        ->  AdamW on the shards  ->  all-gather (U/N,) -> (U,)
+    stage 1  after the schedule: reduce-scatter (U,) -> (U/N,) per unit
+    stage 2  in the chunk's last backward (B, or ZB's W): each unit reduce-scattered as it completes
+    stage 3  + before the chunk's first forward: its units all-gathered, kept until that reduce-scatter
+    then     / N, clip, AdamW, stages 1-2 all-gather; SP's and the kv replicas' sums over tp run on a
+             unit's full gradients just before its reduce-scatter
 
     ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖tp-sharded shard‖² + Σ_dp ‖replicated shard‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
 
-Memory per rank (e bytes per element, Ψ this rank's padded parameters): weights eΨ, gradients eΨ,
-AdamW states 2eΨ/N (experts: /(N/ep)). Wire bytes per step in the dp group: 2·(N−1)/N·eΨ, DP's
-all-reduce volume (03), plus the norm squares. Derivation: 08_5d_combined/README.md. Stages 2 and 3 are
-refused (`check_zero_stage` says why).
+Wire bytes per step in the dp group, e bytes per element, Ψ this rank's padded parameters: 2·(N−1)/N·eΨ
+for every stage (stage 3: one all-gather before the step's first forward, none after it), plus the norm
+squares; the experts are reduce-scattered after the schedule (an expert no token reached in a chunk's
+last micro-batch fires no hook there, and which one differs between ranks, which must issue their
+collectives in one order). Measured, and what stages 2-3 give up under PP: 08_5d_combined/README.md.
 
-    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 3 --grad-acc 4
 
-New compared with 03: the units are the stages' modules, and the norm follows 04's and 07's rules.
+New compared with 03: the units are the stages' modules, the schedule says when a chunk's gradients are
+complete, and the norm follows 04's and 07's rules.
 """
+import contextlib
 from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
 zero = import_module("03_zero.zero")
+tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 moe = import_module("07_expert_parallel.moe")
-
-
-def check_zero_stage(zero_stage: int):
-    """Before any process group: 08 composes ZeRO-1 only."""
-    if zero_stage > 1:
-        raise ValueError(f"--zero-stage {zero_stage} is not composed in 08: 03's stages 2-3 reduce-scatter "
-                         "(and stage 3 gathers) from hooks that fire once per unit per backward, while the "
-                         "pipeline schedules run one partial backward per micro-batch and chunk (ZB-H1 "
-                         "splits each into B and W) and SP sums the norm gradients over tp afterwards; use "
-                         "--zero-stage 1 here, or 03_zero/train.py --zero-stage 2/3 (data parallelism alone)")
 
 
 def stage_units(stages):
@@ -55,16 +54,27 @@ def is_tp_sharded(p):
 
 
 class DistributedOptimizer:
-    """ZeRO-1 over the process grid: dense units over cp×dp, expert units over expert_dp."""
+    """ZeRO over the process grid: dense units over cp×dp, expert units over expert_dp; the pipeline's
+    `grad_sync` (forward and backward contexts) and the calls of 08's step."""
 
-    def __init__(self, stages, grid, expert_view=None):
-        self.grid = grid
+    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=()):
+        self.grid, self.stage, self.norm_ids = grid, stage, {id(p) for p in norm_weights}
         blocks = moe.moe_blocks(expert_view) if expert_view is not None else []
         experts = [p for block in blocks for p in block.experts.parameters()]
-        self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage=1, exclude=experts)
-        self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage=1,
-                                  divisor=grid.cp_size * grid.dp_size) if experts else None)
+        self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage, exclude=experts, pipelined=True,
+                               before_reduce=self.sum_over_tp)
+        self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage,
+                                  divisor=grid.cp_size * grid.dp_size, pipelined=True) if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
+        self.chunk_units = []              # per chunk: [(zero, its units in it)], for stage 3's gathers
+        for chunk in stages:
+            mine = {id(m) for m in chunk.modules()}
+            self.chunk_units.append([(z, [u for u in z.units if id(u.module) in mine]) for z in self.zeros])
+
+    @property
+    def events(self):
+        """03's of the dense units, this step: ("grad", u), ("reduce_scatter", u), ("finish", None), …"""
+        return self.dense.events
 
     @property
     def shards(self):
@@ -72,18 +82,51 @@ class DistributedOptimizer:
         return [shard for z in self.zeros for shard in z.shards]
 
     def zero_gradients(self):
-        """Before the schedule: the .grad of every parameter becomes a view of its unit's zeroed buffer."""
+        """Before the schedule: stage 1 points every .grad at its unit's zeroed buffer; 2-3 zero shards."""
         for z in self.zeros:
             z.zero_gradients()
 
+    @contextlib.contextmanager
+    def forward(self, chunk):
+        """06's Pipeline runs every F inside: stage 3 gathers the chunk's units if they are not here (its
+        first forward of the step); they stay for its other micro-batches, the playbook's advice for
+        ZeRO-3 with PP, until their reduce-scatter frees them."""
+        if self.stage == 3:
+            for z, units in self.chunk_units[chunk]:
+                z.gather(units)
+        yield
+
+    @contextlib.contextmanager
+    def backward(self, chunk, final):
+        """06's Pipeline runs every B and W inside: stages 2-3 reduce-scatter the dense units in the
+        chunk's last pass of each kind (their hooks: 03's), the others only accumulate."""
+        with self.dense.no_sync(enabled=not final), contextlib.ExitStack() as stack:
+            if self.experts is not None:          # after the schedule, in unit order on every rank
+                stack.enter_context(self.experts.no_sync())
+            yield
+
+    def sum_over_tp(self, params):
+        """Before their reduce-scatter: SP's norm gradients summed over tp (each tp rank saw T/(cp·tp) of
+        the tokens, 05) and each replicated kv head's over the ranks holding it (04)."""
+        sequence_parallel.all_reduce_norm_gradients([p for p in params if id(p) in self.norm_ids],
+                                                    self.grid.tp_group)
+        tensor_parallel.all_reduce_kv_replica_gradients(params)
+
     def finish_gradients(self):
-        """After the last micro-batch (and SP's norm sum): reduce-scatter over the ranks with the same
-        weights."""
+        """After the schedule: stage 1 reduce-scatters every unit, 2-3 the units not reduced yet (the
+        experts'); then / N (experts: / cp·dp). Each unit's tp sums come first (`sum_over_tp`)."""
         for z in self.zeros:
             z.finish_gradients()
 
+    def full_state_dict(self, stages):
+        """name -> tensor (a copy) of the stages' state, stage 3's units gathered for it (collective)."""
+        with contextlib.ExitStack() as stack:
+            for z in self.zeros:
+                stack.enter_context(z.gathered())
+            return {k: v.detach().clone() for k, v in stages.state_dict().items()}
+
     def gather_shards(self):
-        """After the optimizer step: every rank's updated shards all-gathered into the model."""
+        """After the optimizer step (stages 1-2): every rank's updated shards all-gathered into the model."""
         for z in self.zeros:
             z.gather_shards()
 

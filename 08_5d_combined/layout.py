@@ -9,7 +9,7 @@ model, in this order (each needs the previous one's result):
        MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
     5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
-(1, the kernels, happen in 01's build_model; 6, DP or ZeRO-1, in the step.)
+(1, the kernels, happen in 01's build_model; 6, DP or ZeRO, in the schedule's passes and the step.)
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
 New compared with 05's layout.py: every folder's rules and transforms, in one order.
@@ -26,7 +26,7 @@ context_parallel = import_module("05_sequence_context_parallel.context_parallel"
 pipeline = import_module("06_pipeline.pipeline")
 moe = import_module("07_expert_parallel.moe")
 experts = import_module("08_5d_combined.experts")
-distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
+gradient_sync = import_module("08_5d_combined.gradient_sync")
 
 
 def build_parser(description):
@@ -35,20 +35,18 @@ def build_parser(description):
     sequence_layout.add_arguments(parser)                 # --sp --cp-layout --cp-attn
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
     moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
-    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
-                        help="0: gradients all-reduced (02); 1: optimizer states sharded over the cp×dp "
-                             "ranks (03's ZeRO-1); 2 and 3: the planner only (03_zero/train.py trains them)")
+    gradient_sync.add_arguments(parser)                   # --dp-mode --bucket-mb --zero-stage
     return parser
 
 
 def check_layout(args, config):
     """Every rule of every folder, and the world size dp·pp·cp·tp, before any process group exists."""
-    distributed_optimizer.check_zero_stage(args.zero_stage)
+    gradient_sync.check_gradient_sync(args)
     check_degrees(args, config)
 
 
 def check_degrees(args, config):
-    """The rules of 02-07 (the planner checks these too: it also plans ZeRO-2/3)."""
+    """The rules of 02-07 (the planner checks these too)."""
     experts.check_experts(args)
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
                             args.grad_acc, config.tie_word_embeddings)

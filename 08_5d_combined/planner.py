@@ -267,7 +267,7 @@ def main(argv=None):
     world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
         config = search.model_config(args)
-        search.check_rules(args, config)               # the trainer's --zero-stage is 0 or 1; all are planned
+        search.check_rules(args, config)               # the trainers' degree rules (ZeRO: any stage)
     except ValueError as error:
         parser.error(str(error))
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})

@@ -4,19 +4,20 @@ Playbook §2.8 (combining the techniques) and chapter 3 (choosing a layout); Meg
 (Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1). Nothing new is
 implemented here: layout.py applies the earlier folders' modules to the seeded full 01 model (TP/SP,
 CP, MoE/EP, PP, recompute), and `train_step` below runs their step: the schedule's passes on this rank's
-tokens, SP's norm sum, the expert or DP or ZeRO-1 reduction over the cp×dp ranks, the norm over every
-shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid). Every rank logs the
+tokens, the reduction over the cp×dp ranks (02's DP in any --dp-mode or 03's ZeRO-1/2/3, inside the
+schedule's last backward of each chunk where it can: gradient_sync.py), SP's norm sum, the norm over
+every shard and stage. The grid is arange(world).view(dp, pp, cp, tp) (02's process_grid). Every rank logs the
 global batch's mean loss, the same number as 01's (07's with experts).
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
     torchrun --nproc_per_node 8 08_5d_combined/train.py --tp 2 --sp --cp 2 --pp 2 --pp-schedule zb-h1 \\
         --grad-acc 4
-    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 1 --grad-acc 4
+    torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 3 --grad-acc 4
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
-first rank of each stage per process group, and the bubble of the last step. Not composed: ZeRO-2/3
-(the planner does their arithmetic; distributed_optimizer.check_zero_stage says why) and experts with --sp.
+first rank of each stage per process group, and the bubble of the last step. Not composed: experts
+with --sp.
 New in the step compared with 02-07: nothing but their composition, written out in device order.
 """
 import sys
@@ -37,44 +38,31 @@ metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+zero = import_module("03_zero.zero")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 moe = import_module("07_expert_parallel.moe")
-expert_parallel = import_module("07_expert_parallel.expert_parallel")
 experts = import_module("08_5d_combined.experts")
-distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
+gradient_sync = import_module("08_5d_combined.gradient_sync")
 layout = import_module("08_5d_combined.layout")
 
 
-def train_step(pipe, optimizer, micro_batches, zero1, norm_weights, dense, expert_params, grid, args):
+def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     """The composition of 02-07's steps; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
-    if zero1:
-        zero1.zero_gradients()                       # 03: every .grad a view of its unit's flat buffer
-    params = dense + expert_params
+    sync.zero_gradients()                            # ZeRO-1: every .grad a view of its unit's flat buffer
     positions = pipe.stages[0].position_ids          # (T/cp,) this rank's tokens of every sequence (05)
     with build.autocast(args, micro_batches[0][0].device):   # 06's schedule; TP/SP/CP/EP inside its passes
-        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](
+        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # and the gradient sync's (gradient_sync.py):
             pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
-    if args.sp:                                      # 05: each tp rank's norms saw T/(cp·tp) of the tokens
-        sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)
-    tensor_parallel.all_reduce_kv_replica_gradients(params)   # 04: tp > kv heads, a head's copies summed
-    if zero1:                                        # 03: reduce-scatter over cp×dp (experts: expert_dp)
-        zero1.finish_gradients()
-        grad_norm = zero1.clip_gradients(args.grad_clip)
-    elif args.num_experts:                           # 07: dense mean over cp×dp, experts Σ expert_dp/(cp·dp)
-        expert_parallel.sync_gradients(dense, expert_params, grid)
-        grad_norm = experts.clip_grad_norm_experts(params, args.grad_clip, grid, expert_params)
-    else:                                            # 02: mean over the cp×dp replicas
-        data_parallel.average_gradients(params, grid.cp_dp_group)
-        grad_norm = tensor_parallel.clip_grad_norm_tp(params, args.grad_clip, grid.tp_group, grid.pp_group)
+    #   ZeRO-3 gathers a chunk before its first F; DP overlap/bucket and ZeRO-2/3 reduce in its last B, W
+    sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now, the others
+    #                                                  wait; / N; SP's norm and 04's kv-copy grads summed over tp
+    grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07)
     optimizer.step()
-    if zero1:
-        zero1.gather_shards()                        # 03: the updated shards back into every replica
+    sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
     if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
@@ -93,17 +81,20 @@ def eval_step(pipe, micro_batches, grid, args):
                                    grid.cp_dp_group, grid.cp_size * grid.dp_size)
 
 
-def state_bytes(stages, optimizer):
-    """(parameters, gradients, optimizer states) this rank holds, from its tensors (gradients: one per
-    parameter, as large as it, since the loop frees them after each step)."""
+def state_bytes(stages, optimizer, shards):
+    """(parameters, gradients, optimizer states) this rank holds after a step: parameters from their storages
+    (ZeRO-3: the shards, the full units are freed), gradients one per parameter, as large as it (what a
+    step holds at its end before ZeRO-2/3 reduce them)."""
     params = [p for p in stages.parameters() if p.requires_grad]
-    return memory.tensor_bytes(params), memory.tensor_bytes(params), memory.optimizer_state_bytes(optimizer)
+    return (zero.storage_bytes([*params, *shards]), memory.tensor_bytes(params),
+            memory.optimizer_state_bytes(optimizer))
 
 
-def report(grid, stages, optimizer, meter, activations, steps):
+def report(grid, stages, optimizer, meter, activations, steps, sync):
     """Rank 0 prints the measured memory of every stage and the communication of each stage's first rank."""
     mine = dict(coords=(grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank),
-                states=state_bytes(stages, optimizer), activations=activations,
+                states=state_bytes(stages, optimizer, sync.shards), activations=activations,
+                gathered=sum(z.peak_gathered_bytes for z in getattr(sync, "zeros", [])),   # ZeRO-3
                 comm={key: (meter.calls[key], meter.payload[key], meter.wire[key]) for key in meter.calls})
     everyone = [None] * grid.world_size
     dist.all_gather_object(everyone, mine)
@@ -131,7 +122,8 @@ def print_grid(args, grid, config):
     peers = {dim: dist.get_process_group_ranks(getattr(grid, f"{dim}_group"))
              for dim in ("tp", "cp", "dp", "ep")}
     extras = (", sp" if args.sp else "") + (f", ep {args.ep}, {args.num_experts} experts" if args.num_experts
-                                             else "") + (", zero-1" if args.zero_stage == 1 else "")
+                                             else "") + (f", zero-{args.zero_stage}" if args.zero_stage
+                                                         else f", dp-mode {args.dp_mode}")
     print(f"grid (dp {args.dp}, pp {args.pp}, cp {args.cp}, tp {args.tp}{extras}): rank 0 shares tp with "
           f"{peers['tp']}, cp with {peers['cp']}, pp with {list(grid.pp_ranks)}, dp with {peers['dp']}"
           + (f", ep with {peers['ep']}" if args.num_experts else "") + f"; model {config}")
@@ -145,15 +137,15 @@ def run(args, config, dataset, grid):
     build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
-    zero1 = distributed_optimizer.DistributedOptimizer(stages, grid, experts.stage_view(stages) if args.num_experts
-                                                       else None) if args.zero_stage == 1 else None   # 6. ZeRO-1
-    optimizer = optim.make_optimizer(zero1.shards if zero1 else stages.parameters(), args)
+    dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
+    sync = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or ZeRO
+    optimizer = optim.make_optimizer(sync.shards, args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
                        v_shape=args.pp_schedule in pipeline.V_SHAPED)
     pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
-                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)
+                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,
@@ -167,14 +159,12 @@ def run(args, config, dataset, grid):
     checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                          "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
                          "num_experts": args.num_experts, "zero_stage": args.zero_stage}
-    dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
-    step = functools.partial(train_step, pipe, optimizer, zero1=zero1, norm_weights=norm_weights, dense=dense,
-                             expert_params=expert_params, grid=grid, args=args)
+    step = functools.partial(train_step, pipe, optimizer, sync=sync, grid=grid, args=args)
     with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
         evaluate = meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args))
         records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
                              layout=checkpoint_layout, eval_step=evaluate)
-    everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1))
+    everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1), sync)
     if grid.pp_size > 1:
         timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble
     return records, stages, pipe, everyone

@@ -5,7 +5,8 @@ step and every rank's final parameters (its tp shard of its stage's layers) equa
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
     8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
              dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE);
-             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1
+             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
+             each unit's reduce-scatter)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
              dp2 (ep2) × pp2 with zb-h1 and 4 experts; experts under CP, 4 each: cp2 zig-zag × pp2 with full
@@ -16,7 +17,12 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
              with DualPipeV (grad-acc 4: its B, I and W passes under TP's collectives); dp4 (ep2) with
              4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
-             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp))
+             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
+             every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
+             with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
+             with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
+             experts (expert units reduced after the schedule); each also shows its reduction ran inside
+             the schedule (`_check_in_backward`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -107,8 +113,9 @@ def _train(flag_set):
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 eval_losses=[r.get("eval_loss") for r in records],
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
-                state={pipeline.single_device_name(k): v.detach().numpy().copy()   # numpy: pickled by value
-                       for k, v in stages.state_dict().items()})
+                events=list(pipe.grad_sync.events), gathered=mine["gathered"],
+                state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
+                       for k, v in pipe.grad_sync.full_state_dict(stages).items()})
 
 
 def _check(flag_set, per_rank):
@@ -149,13 +156,20 @@ def _check(flag_set, per_rank):
         memory = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         params, _, optimizer = run["states"]
         assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
-        sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py):
+        # ZeRO-1's bytes, where the planner's rows are 03's per-micro-batch policy, (m+1) and 3m times
+        as_run = dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1))
+        sent = planner.stage_communication(config, as_run, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
         if layout.zero_stage:
             _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
                          what)
+        if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
+            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN,
+                                         mbs, grad_acc, pp_rank)["parameters"]
+            _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
     if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
         logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
@@ -184,6 +198,23 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
     assert wire.get(("all_reduce", "expert_dp"), 0) == (expert > 0) * steps * 2 * (n_expert - 1) * e // n_expert, what
 
 
+def _check_in_backward(run, layout, extra, whole, what):
+    """Composed under a schedule (gradient_sync.py), the reduction really runs inside the schedule: every
+    dense gradient (overlap), bucket (bucket) or unit (ZeRO-2/3) is sent from a hook in its chunk's last
+    B or W, none left for finish_gradients (a sync on every pass or none differs from 01, a sync before
+    the last pass loses gradients); ZeRO-3 holds its whole stage gathered at its peak: the units stay
+    from a chunk's first forward to its last backward."""
+    events = run["events"]
+    finish = events.index(("finish", None))
+    sent = "launch" if "overlap" in extra or "bucket" in extra else "reduce_scatter"
+    before, after = ([e for e in part if e[0] == sent] for part in (events[:finish], events[finish:]))
+    assert before and not after, (what, events)
+    if "overlap" in extra:        # one all-reduce per parameter of the stage
+        assert len(before) == sum(1 for e in events if e[0] == "grad"), what
+    if layout.zero_stage == 3:
+        assert run["gathered"] == whole, what        # the stage's parameter bytes (no padding at these sizes)
+
+
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
 EIGHT_RANKS = {
@@ -197,7 +228,8 @@ EIGHT_RANKS = {
                                                    "--eval-every", 1, "--eval-batches", 1, mbs=4),
     "dp2ep2-tp2-pp2-moe": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
     "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
-                                       "--zero-stage", 1)}
+                                       "--zero-stage", 1),
+    "zero3-dp2-tp2sp-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--zero-stage", 3, grad_acc=4)}
 FOUR_RANKS = {
     "cp2contiguous-pp2-selective-fp64": _flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2,
                                                "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
@@ -220,7 +252,18 @@ FOUR_RANKS = {
                                         "--zero-stage", 1, grad_acc=4),
     "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
     "zero1-cp2contiguous-dp2ep2-moe": _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2,
-                                             "--num-experts", 4, "--zero-stage", 1)}
+                                             "--num-experts", 4, "--zero-stage", 1),
+    "overlap-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--dp-mode", "overlap",
+                                   grad_acc=4),
+    "bucket-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                         "--dp-mode", "bucket", "--bucket-mb", 0.02, grad_acc=4),
+    "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
+    "zero2-dp2-pp2-dualpipev": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
+                                      "--zero-stage", 2, grad_acc=4),
+    "zero3-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                        "--zero-stage", 3, grad_acc=4),
+    "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
+                                        "--num-experts", 4, "--zero-stage", 3)}
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +340,10 @@ def _check_layout(*flags, world):
     (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp is not supported: .* drop --sp"),
     (("--tp", 2, "--sp", "--cp", 2, "--num-experts", 4), 4, r"--num-experts with --sp is not supported"),
     (("--cp", 2, "--num-experts", 4, "--capacity-factor", 1), 2, r"--capacity-factor with --cp > 1 is not supported"),
-    (("--dp", 2, "--pp", 2, "--zero-stage", 2), 4, r"--zero-stage 2 is not composed in 08: .* use --zero-stage 1 "
-                                                    r"here, or 03_zero/train.py --zero-stage 2/3"),
-    (("--dp", 2, "--zero-stage", 3), 2, r"--zero-stage 3 is not composed in 08"),
+    (("--dp", 2, "--pp", 2, "--zero-stage", 2, "--dp-mode", "bucket"), 4,
+     r"--dp-mode bucket is data parallelism's all-reduce \(--zero-stage 0\); .* drop --dp-mode"),
+    (("--dp", 2, "--zero-stage", 3, "--tie-embeddings"), 2, r"--zero-stage 3 gathers .* drop --tie-embeddings"),
+    (("--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0), 2, r"--bucket-mb must be positive"),
 ])
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
     with pytest.raises(ValueError, match=message):
@@ -329,8 +373,8 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
         planner.main(common.argv("--tp", 3))                               # the planner uses the same rules
     assert "tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        combined.main(common.argv("--zero-stage", 2))                      # the trainer composes ZeRO-1 only,
-    assert "use --zero-stage 1 here" in capsys.readouterr().err
+        combined.main(common.argv("--zero-stage", 2, "--dp-mode", "overlap"))   # ZeRO reduces its own units
+    assert "drop --dp-mode" in capsys.readouterr().err
     planner.main(common.argv("--dp", 2, "--zero-stage", 3))                # the planner plans every stage
     assert "zero-3" in capsys.readouterr().out
     assert not torch.distributed.is_initialized()

@@ -171,7 +171,7 @@ CASES = [
     ("pp-chunks-without-interleaved", "06", ["--pp-chunks", "2"], "interleaved", {}),
     ("ep-3", "07", ["--ep", "3"], "ep=3 does not divide num_experts=4", {}),
     ("07-log-every-0", "07", ["--log-every", "0"], "--log-every must be at least 1", {}),
-    ("zero-stage-2-in-08", "08", ["--zero-stage", "2"], "--zero-stage 1", {}),
+    ("dp-mode-with-zero-in-08", "08", ["--zero-stage", "2", "--dp-mode", "bucket"], "drop --dp-mode", {}),
     ("08-grad-clip-negative", "08", ["--grad-clip", "-1"], "--grad-clip must be 0 (off) or positive", {}),
 ]
 

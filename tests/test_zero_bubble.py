@@ -192,6 +192,28 @@ def test_weight_pass_accumulates_into_an_existing_grad_in_place():
     assert (flat[:4] == 1).all() and (flat[16:] == 1).all()
 
 
+def test_gradient_hooks_fire_once_per_real_contribution():
+    """08's data parallelism reduces a gradient from its post-accumulate-grad hook: a B that defers dW must
+    not run the weight's hooks (autograd runs them even for an input given no gradient, which would
+    reduce what earlier Ws accumulated), and W must run them, once per weight, with .grad complete."""
+    zero_bubble = import_module("06_pipeline.zero_bubble")
+    torch.manual_seed(0)
+    w, g = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.ones(4))
+    fired = []
+    for name, p in (("w", w), ("g", g)):
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append((name, p.grad)))
+    store, x, dy = zero_bubble.WeightGradStore(), torch.randn(5, 4), torch.randn(5, 3)
+    for micro in range(2):
+        with store.collect(micro):
+            zero_bubble.split_linear(x * g, w, store).backward(dy)
+        assert [name for name, _ in fired] == ["g"], fired                     # B: g's hook only
+        fired.clear()
+        store.run(micro)
+        assert [name for name, _ in fired] == ["w"]                            # W: w's, with its dW in
+        torch.testing.assert_close(fired[0][1], (micro + 1) * dy.t() @ (x * g).detach())   # both micro-batches
+        fired.clear()
+
+
 class FakeCudaEvent:
     """torch.cuda.Event's interface on a fake device whose stream runs 1 s of work before each recorded
     event, whatever the host does: the device lags the host as a GPU behind a non-blocking irecv does."""
