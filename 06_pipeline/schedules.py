@@ -320,6 +320,7 @@ def forward_only(pipe, micro_batches):
     reports after the loop are about training)."""
     kept = pipe.events, pipe.peak_held, pipe.p2p.sent
     pipe.begin(micro_batches)
+    pipe.passes_left = {}                                 # no backward passes to count down
     for chunk in range(pipe.chunks):
         for micro in range(pipe.m):
             pipe.forward(micro, chunk)
