@@ -4,8 +4,10 @@ Before the trainers destroyed their process group (02's `process_grid.distribute
 run sometimes ended with a rank aborting at interpreter exit ("terminate called without an active exception",
 SIGABRT, and torchrun reporting FAILED): 05 `--cp 2 --dp 2` in 2 of 21 runs, 06 interleaved in 1 of 41; a
 process that leaves with its gloo process group alive can be torn down while gloo's threads still run. The
-failure is random, so the test repeats short runs: 24 torchrun runs catch a 1-in-10 failure with probability
-1 − 0.9²⁴ ≈ 92%, a 1-in-20 one with 71%. `--standalone` gives every run its own rendezvous port.
+failure is random, so the test repeats short runs: 24 runs catch a 1-in-10 failure with probability
+1 − 0.9²⁴ ≈ 92%, a 1-in-20 one with 71%. The ranks are launched by tests/exit_launcher.py: torchrun's
+environment and a normal interpreter exit (where the abort happened), forked after the imports so a run
+costs its training, not four interpreter starts; every run gets its own rendezvous port.
 """
 import os
 import subprocess
@@ -29,12 +31,11 @@ def test_short_multi_rank_runs_exit_cleanly_every_time():
     env["OMP_NUM_THREADS"] = "1"
     failures = []
     for script, ranks, repeats, flags in RUNS:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                   script, *common.argv(*flags, steps=1, mbs=2)]
+        command = [sys.executable, "tests/exit_launcher.py", str(ranks), script, *common.argv(*flags, steps=1, mbs=2)]
         for repeat in range(repeats):
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0 or "terminate called" in done.stderr:
-                failures.append(f"{script} run {repeat}: exit {done.returncode}\n{done.stderr[-1500:]}")
+                failures.append(f"{script} run {repeat}: exit {done.returncode}\n{done.stdout[-300:]}{done.stderr[-1500:]}")
             assert "final loss" in done.stdout, done.stdout[-1500:] + done.stderr[-1500:]
     assert not failures, "\n".join(failures)
 
