@@ -14,6 +14,7 @@ import difflib
 import math
 import os
 import sys
+import time
 import uuid
 from importlib import import_module
 from pathlib import Path
@@ -51,11 +52,15 @@ def fail(line: str, status: int = 2):
 
     torchrun still prints its summary of the failed workers; rank 0 also writes the line into the error
     file torchrun gives each worker (TORCHELASTIC_ERROR_FILE), so that summary names it as the root cause.
+    Under torchrun the other ranks wait (at most 10 s) before exiting: the first worker to fail makes
+    torchrun stop the rest, and a silent rank leaving first could stop rank 0 before it printed the line.
     """
     line = " ".join(line.splitlines())
     print0(line, file=sys.stderr)
     if int(os.environ.get("RANK", 0)) == 0:
         watchdog.record_for_torchrun(line)
+    elif os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(10)
     sys.exit(status)
 
 

@@ -1,14 +1,15 @@
 """Launch the ranks of one trainer run as processes forked from an interpreter that has already imported
 it (torch included), each ending through Python's normal exit, as a torchrun worker does.
 
-    python tests/exit_launcher.py RANKS SCRIPT ARG...
+    python tests/exit_launcher.py RUNS RANKS SCRIPT ARG...
 
 Each rank is `SCRIPT ARG...` as `__main__` with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 A rank leaves by raising SystemExit up to this file's top level, so the interpreter finalises as usual:
 atexit, module teardown and C++ static destructors, where a live gloo process group aborted a finished
 run ("terminate called without an active exception"). Only the imports are shared (a fresh interpreter
-costs ~2 s of CPU per rank). Prints one line per rank, `rank R: exit CODE` (or `signal N`), and exits 1
-if any rank did not exit 0.
+costs ~2 s of CPU per rank). The run is repeated RUNS times, one after the other, each on a new port.
+Prints one line per rank and run, `run K rank R: exit CODE` (or `signal N`), and exits 1 if any rank of
+any run did not exit 0.
 """
 import os
 import runpy
@@ -16,30 +17,31 @@ import socket
 import sys
 from pathlib import Path
 
-ranks, script, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+runs, ranks, script, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 sys.path.insert(0, str(Path(script).resolve().parents[1]))
 runpy.run_path(script, run_name="exit_launcher_preload")     # the imports, without running main()
 import torch._dynamo  # noqa: E402,F401  (imported by the first parameter init: once here, not per rank)
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-pids = {}
-for rank in range(ranks):
-    pid = os.fork()
-    if pid == 0:                                              # the rank: runs, then exits like a worker
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                          LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        sys.argv = [script, *argv]
-        runpy.run_path(script, run_name="__main__")
-        sys.exit(0)                                           # propagates to the top: a normal exit
-    pids[rank] = pid
 failed = False
-for rank, pid in pids.items():
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        print(f"rank {rank}: signal {os.WTERMSIG(status)}", flush=True)
-        failed = True
-    else:
-        print(f"rank {rank}: exit {os.WEXITSTATUS(status)}", flush=True)
-        failed |= os.WEXITSTATUS(status) != 0
+for run in range(runs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pids = {}
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:                                          # the rank: runs, then exits like a worker
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                              LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            sys.argv = [script, *argv]
+            runpy.run_path(script, run_name="__main__")
+            sys.exit(0)                                       # propagates to the top: a normal exit
+        pids[rank] = pid
+    for rank, pid in pids.items():
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            print(f"run {run} rank {rank}: signal {os.WTERMSIG(status)}", flush=True)
+            failed = True
+        else:
+            print(f"run {run} rank {rank}: exit {os.WEXITSTATUS(status)}", flush=True)
+            failed |= os.WEXITSTATUS(status) != 0
 sys.exit(1 if failed else 0)

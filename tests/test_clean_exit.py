@@ -7,7 +7,7 @@ process that leaves with its gloo process group alive can be torn down while glo
 failure is random, so the test repeats short runs: 24 runs catch a 1-in-10 failure with probability
 1 − 0.9²⁴ ≈ 92%, a 1-in-20 one with 71%. The ranks are launched by tests/exit_launcher.py: torchrun's
 environment and a normal interpreter exit (where the abort happened), forked after the imports so a run
-costs its training, not four interpreter starts; every run gets its own rendezvous port.
+costs its training, not an interpreter start per rank; every run gets its own rendezvous port.
 """
 import os
 import subprocess
@@ -31,12 +31,15 @@ def test_short_multi_rank_runs_exit_cleanly_every_time():
     env["OMP_NUM_THREADS"] = "1"
     failures = []
     for script, ranks, repeats, flags in RUNS:
-        command = [sys.executable, "tests/exit_launcher.py", str(ranks), script, *common.argv(*flags, steps=1, mbs=2)]
-        for repeat in range(repeats):
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0 or "terminate called" in done.stderr:
-                failures.append(f"{script} run {repeat}: exit {done.returncode}\n{done.stdout[-300:]}{done.stderr[-1500:]}")
-            assert "final loss" in done.stdout, done.stdout[-1500:] + done.stderr[-1500:]
+        command = [sys.executable, "tests/exit_launcher.py", str(repeats), str(ranks), script,
+                   *common.argv(*flags, steps=1, mbs=2)]
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        ends = [line for line in done.stdout.splitlines() if line.startswith("run ")]
+        assert len(ends) == repeats * ranks, done.stdout[-1500:] + done.stderr[-1500:]
+        failures += [f"{script} {line}" for line in ends if not line.endswith(": exit 0")]
+        if done.returncode != 0 or "terminate called" in done.stderr:
+            failures.append(f"{script}: exit {done.returncode}\n{done.stderr[-1500:]}")
+        assert done.stdout.count("final loss") == repeats, done.stdout[-1500:] + done.stderr[-1500:]
     assert not failures, "\n".join(failures)
 
 
