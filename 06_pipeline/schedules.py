@@ -130,10 +130,11 @@ class Pipeline:
         if split_backward:
             zero_bubble.split_weight_gradients(stages, self.weight_store)
 
-    def begin(self, micro_batches):
+    def begin(self, micro_batches, backward: bool = True):
+        """A new step; `backward=False` for forward passes only (evaluation): no backward passes to count."""
         self.micro_batches, self.m = micro_batches, len(micro_batches)
         self.saved, self.loss, self.events, self.peak_held, self._stamps = {}, 0.0, [], 0, []
-        kinds = ("B", "W") if self.weight_store else ("B",)
+        kinds = (("B", "W") if self.weight_store else ("B",)) if backward else ()
         self.passes_left = {(kind, c): self.m for kind in kinds for c in range(self.chunks)}
         self.p2p.sent = []
         self.clock.begin_step()
@@ -319,8 +320,7 @@ def forward_only(pipe, micro_batches):
     Called under torch.no_grad(); the training step's timeline, peak and sends are left as they were (the
     reports after the loop are about training)."""
     kept = pipe.events, pipe.peak_held, pipe.p2p.sent
-    pipe.begin(micro_batches)
-    pipe.passes_left = {}                                 # no backward passes to count down
+    pipe.begin(micro_batches, backward=False)
     for chunk in range(pipe.chunks):
         for micro in range(pipe.m):
             pipe.forward(micro, chunk)
