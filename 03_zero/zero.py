@@ -44,13 +44,6 @@ def llama_units(model):
     return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t is not None}
-    return sum(storages.values())
-
-
 class FlatUnit:
     """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,).
 
@@ -388,15 +381,15 @@ class ZeRO:
         compute device: the states the optimizer keeps for the shards (none once offloaded), and a mixed-
         precision optimizer's fp32 masters of them with their states (optimizer states, as 08's planner
         counts them)."""
-        params = storage_bytes([*model.parameters(), *self.shards])
-        grads = storage_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
+        params = memory.held_bytes([*model.parameters(), *self.shards])
+        grads = memory.held_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
         stepped = list(self.shards)
         if getattr(optimizer, "masters", None) is not getattr(optimizer, "params", None):   # bf16-16/20
             stepped += optimizer.masters
         states = memory.tensor_bytes(v for p in stepped for v in optimizer.state.get(p, {}).values()
                                      if torch.is_tensor(v) and v.dim() > 0)
-        return params, grads, states + storage_bytes(stepped[len(self.shards):])
+        return params, grads, states + memory.held_bytes(stepped[len(self.shards):])
 
 
 # ======================================================================================

@@ -38,7 +38,6 @@ metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
-zero = import_module("03_zero.zero")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
@@ -86,7 +85,7 @@ def state_bytes(stages, optimizer, shards):
     (ZeRO-3: the shards, the full units are freed), gradients one per parameter, as large as it (what a
     step holds at its end before ZeRO-2/3 reduce them)."""
     params = [p for p in stages.parameters() if p.requires_grad]
-    return (zero.storage_bytes([*params, *shards]), memory.tensor_bytes(params),
+    return (memory.held_bytes([*params, *shards]), memory.tensor_bytes(params),
             memory.optimizer_state_bytes(optimizer))
 
 
