@@ -4,13 +4,15 @@
     outcomes = run_layouts(run_one, {"tp2": ..., "cp2": ...}, world_size=2)   # one spawn, layouts in turn
     layout_results(outcomes, "cp2")     # every rank's run_one(layouts["cp2"]), or the error naming "cp2"
 
-Every rank is a fresh `spawn`ed process with the environment `torchrun` would give it (RANK,
+Every rank is a new process with the caller's environment plus what `torchrun` would give it (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and an initialised gloo process group, so code
 under test can call `dist.*` directly or read the environment like a `torchrun` script. A rank that
 raises makes the call fail with that rank's traceback; a rank that hangs (a mismatched collective)
 makes it fail after `timeout` seconds instead of hanging the test suite. `fn` must be importable by
-name (a module-level function), as `spawn` pickles it. Results may hold tensors: they are copied.
-A spawn costs seconds on a small machine, so a test file runs its layouts in one spawn with
+name (a module-level function), as it is pickled to the ranks. Results may hold tensors: they are
+copied. The ranks are forked from a `forkserver` that has imported torch once: a `spawn`ed rank paid
+~2-3 s of imports (torch, and torch._dynamo, which the first parameter initialisation imports) on 2
+cores, and its exit ~2 s more. A start still costs seconds, so a test file runs its layouts in one spawn with
 `run_layouts` and checks each in its own parametrised test: a layout that fails names itself, on
 the ranks or in its test, and leaves the others' results standing.
 """
@@ -27,13 +29,18 @@ import torch.multiprocessing as mp
 
 free_port = import_module("02_data_parallel.process_grid").free_port
 
+_RANKS = mp.get_context("forkserver")
+_RANKS.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed"])   # imported once, by the server
+
 
 class RankError(RuntimeError):
     pass
 
 
-def _rank_main(rank, world_size, port, timeout, queue, body, body_args):
+def _rank_main(environment, rank, world_size, port, timeout, queue, body, body_args):
     """One rank: join the job, run body; its last message is ("end", value) or ("error", traceback)."""
+    os.environ.clear()                       # the server's environment is the one it started with
+    os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -53,10 +60,10 @@ def _spawned(world_size, timeout, body, *body_args):
     """Start the ranks; yield receive(wait): the next message (rank, kind, layout id, value), None after
     `wait` seconds of silence. On exit the ranks get 5 s to finish if all sent their last message (a
     failed one's peers are likely blocked in a collective with it: 0.5 s), then are killed."""
-    ctx = mp.get_context("spawn")
-    queue, port, finished = ctx.Queue(), free_port(), set()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, timeout, queue, body, body_args),
-                         daemon=True) for r in range(world_size)]
+    queue, port, finished = _RANKS.Queue(), free_port(), set()
+    procs = [_RANKS.Process(target=_rank_main, daemon=True,
+                            args=(dict(os.environ), r, world_size, port, timeout, queue, body, body_args))
+             for r in range(world_size)]
     for p in procs:
         p.start()
 
