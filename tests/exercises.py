@@ -12,11 +12,9 @@ An exercise may have more blocks, each opened by a bare `# exercise 02.1`. IDs a
 NN_*, K.M for kernels/, and the list is the course, in that order. `make` copies the repository's files
 into OUT (no history) with every block replaced by a stub that raises NotImplementedError("exercise 02.1
 (ring all-reduce): <hint>") (#error in CUDA); the markers stay, so `list` run there says which are left.
-`check` proves the cycle a student lives through, in order: with the exercises before k solved and k and
-the later ones stubbed, k's test fails naming k and no other; `check --passing`: with k solved too, it
-passes. pytest sessions, one per core side by side, run every test, each under its own stubs, in a copy of
-the repository in which each block is guarded by the environment variable EXERCISES_STUBBED (a second
-round for the exercises that name other parameters of an already named test).
+`check` (tests/exercise_check.py) proves the cycle a student lives through, in order: with the exercises
+before k solved and k and the later ones stubbed, k's test fails naming k and no other; `check --passing`:
+with k solved too, it passes.
 
     python tests/exercises.py list
     python tests/exercises.py make ../student                # or --only 04.1 04.2
@@ -25,16 +23,12 @@ round for the exercises that name other parameters of an already named test).
 import argparse
 import ast
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,94 +236,6 @@ def listing(root: Path = ROOT) -> str:
 
 
 # ======================================================================================
-# check: one pytest session per round, each named test under its own stubs
-# ======================================================================================
-@dataclass
-class Outcome:
-    exercise: str
-    status: str                    # "ok", "wrong" (the cycle is broken), "skipped" (the test skipped itself)
-    detail: str = ""
-
-
-def _cases(xml_path: Path) -> dict:
-    """{test node id: (outcome, text)} from pytest's JUnit XML (outcome: passed, failed, skipped)."""
-    cases = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        nodeid = case.get("classname").replace(".", "/") + ".py::" + case.get("name")
-        kids = {child.tag: child for child in case}
-        kind = next((k for k in ("failure", "error", "skipped") if k in kids), "passed")
-        text = "" if kind == "passed" else f"{kids[kind].get('message', '')}\n{kids[kind].text or ''}"
-        cases[nodeid] = ("skipped" if kind == "skipped" else "failed" if kind != "passed" else "passed", text)
-    return cases
-
-
-def _judge(exercise, cases, passing, known):
-    mine = {k: v for k, v in cases.items() if k == exercise.test or k.startswith(exercise.test + "[")}
-    if not mine:
-        return Outcome(exercise.id, "wrong", f"pytest collected no test {exercise.test}")
-    for nodeid, (kind, text) in mine.items():
-        named = set(STUB_NAME.findall(text)) & known
-        if kind == "skipped":
-            return Outcome(exercise.id, "skipped", f"{nodeid} skipped: {text.strip().splitlines()[0]}")
-        if passing and kind != "passed":
-            return Outcome(exercise.id, "wrong", f"{nodeid} fails with {exercise.id} solved and the later "
-                                                 f"exercises stubbed:\n{text[-3000:]}")
-        if not passing and (kind != "failed" or named != {exercise.id}):
-            what = "passes" if kind == "passed" else f"fails naming {sorted(named) or 'no exercise'}"
-            return Outcome(exercise.id, "wrong", f"{nodeid} {what} with {exercise.id} and the later "
-                                                 f"exercises stubbed (it must fail naming {exercise.id} "
-                                                 f"alone):\n{text[-3000:]}")
-    return Outcome(exercise.id, "ok", f"{len(mine)} test(s)")
-
-
-def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 1800) -> list:
-    """The cycle for every exercise (or `only`): [Outcome] in course order. Without `passing`: exercise k's
-    test, with the exercises before k solved and k and the later ones stubbed, fails naming k alone. With
-    `passing`: with k solved too, it passes."""
-    exercises = parse(root)
-    chosen, ids = select(exercises, only), [e.id for e in exercises]
-    # One session per round. A round runs each test function once: exercises naming the same function
-    # (or its parameters, which may share its module's fixtures) go to different rounds.
-    rounds = []
-    for exercise in chosen:
-        function = exercise.test.split("[")[0]
-        free = next((r for r in rounds if all(t.split("[")[0] != function for t in r)), None)
-        if free is None:
-            free = {}
-            rounds.append(free)
-        free[exercise.test] = (exercise, ids[ids.index(exercise.id) + passing:])
-    outcomes = {}
-    with tempfile.TemporaryDirectory(prefix="exercises-") as scratch:
-        scratch = Path(scratch)
-        tree = write_copy(root, scratch / "tree", exercises, guarded_lines)
-        if (root / ".cache").is_dir():    # the data cache conftest builds: shared, not rebuilt
-            (tree / ".cache").symlink_to(root / ".cache")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EXERCISES_STUBBED")}
-        env.update(PYTHONPATH=str(tree / "tests"), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # CPU
-        # Each round's tests in as many sessions as the machine has cores (at most 4), run side by side:
-        # a session is mostly one Python thread, so one per core.
-        cores = max(1, min(4, os.cpu_count() or 1))
-        sessions = [dict(list(plan.items())[k::cores]) for plan in rounds for k in range(cores)]
-
-        def run(n, plan):
-            plan_env = dict(env, EXERCISES_PLAN=str(scratch / f"plan{n}.json"))
-            Path(plan_env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s) in plan.items()}))
-            xml = scratch / f"session{n}.xml"
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                                   "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=plan_env,
-                                  capture_output=True, text=True, timeout=timeout)
-            if not xml.exists():
-                raise ExerciseError(f"pytest did not run the exercise tests:\n{done.stdout[-3000:]}"
-                                    f"{done.stderr[-3000:]}")
-            return plan, _cases(xml)
-        with ThreadPoolExecutor(cores) as pool:
-            for plan, cases in pool.map(run, *zip(*[(n, plan) for n, plan in enumerate(sessions) if plan])):
-                for exercise, _ in plan.values():
-                    outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
-    return [outcomes[e.id] for e in chosen]
-
-
-# ======================================================================================
 # Command line
 # ======================================================================================
 class Parser(argparse.ArgumentParser):
@@ -358,6 +264,7 @@ def main(argv=None):
             print(f"{args.out}: a student copy with {len(done)} exercises stubbed; "
                   f"there: python tests/exercises.py list")
         else:
+            from exercise_check import check   # it builds on this module's parse and copies
             outcomes = check(args.passing, args.only)
             for o in outcomes:
                 print(f"{o.exercise:<5} {o.status:<8} {o.detail}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import exercise_check
 import exercises
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,10 +126,10 @@ def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
 def test_check_proves_the_cycle_and_finds_a_broken_one(tmp_path):
     """Both sides on the made-up repository; then 01.1 named by a test that reaches 01.2's block first."""
     root = made_up(tmp_path)
-    assert [(o.exercise, o.status) for o in exercises.check(root=root)] == [("01.1", "ok"), ("01.2", "ok")]
-    assert [o.status for o in exercises.check(passing=True, root=root)] == ["ok", "ok"]
+    assert [(o.exercise, o.status) for o in exercise_check.check(root=root)] == [("01.1", "ok"), ("01.2", "ok")]
+    assert [o.status for o in exercise_check.check(passing=True, root=root)] == ["ok", "ok"]
     wrong = made_up(tmp_path / "wrong", CALC.replace("::test_double", "::test_double_through_quad"))
-    outcome = exercises.check(root=wrong, only=["01.1"])[0]
+    outcome = exercise_check.check(root=wrong, only=["01.1"])[0]
     assert outcome.status == "wrong" and "fails naming ['01.2']" in outcome.detail
 
 
@@ -193,7 +194,7 @@ def test_student_copy_compiles_with_every_block_a_stub(tmp_path):
 def cycle():
     """One `check`: every exercise's test, with the exercises before it solved and it and the later ones
     stubbed (one pytest session per round: 04's and 05's exercises share a test)."""
-    return {outcome.exercise: outcome for outcome in exercises.check()}
+    return {outcome.exercise: outcome for outcome in exercise_check.check()}
 
 
 @pytest.mark.timeout(900)
