@@ -1,7 +1,7 @@
 """The executed pipeline timeline: bubble fractions (measured, replayed, theory), checks, a picture.
 
 Playbook §2.6 (the AFAB / 1F1B / interleaved / ZB figures). Every schedule records the passes a
-rank really ran (`schedules.Event`: rank, op F/B/W, micro-batch, chunk, start and end in host-clock
+rank really ran (`passes.Event`: rank, op F/B/W, micro-batch, chunk, start and end in host-clock
 seconds: timed by the host on the CPU, by CUDA events on a GPU, where the host only queues the work);
 this file turns the events of all ranks of one pipeline into
 
@@ -28,7 +28,7 @@ from importlib import import_module
 import torch.distributed as dist
 
 pipeline = import_module("06_pipeline.pipeline")
-Event = import_module("06_pipeline.schedules").Event
+Event = import_module("06_pipeline.passes").Event
 
 
 def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:

@@ -36,6 +36,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 pipeline = import_module("06_pipeline.pipeline")
+passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 
@@ -89,7 +90,7 @@ def run(args, config, dataset, grid):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device, v_shape)
-    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
+    pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                               split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     if grid.rank == 0:

@@ -14,7 +14,7 @@ chunk pass (t_F = t_B = t_W, a whole backward 2t) a rank works 6m·t per step an
 An order is a list per rank of (op, micro-batch, chunk), op F, B (whole backward), I (input gradient,
 its dW queued) or W (a queued dW, zero_bubble.py), built in the phases of torch.distributed.pipelining's
 ScheduleZBVZeroBubble and ScheduleDualPipeV (tests/test_v_schedules.py compares the orders);
-`run_order` runs one on schedules.Pipeline. DualPipe overlaps each F&B pair on a GPU; here its F runs,
+`run_order` runs one on passes.Pipeline. DualPipe overlaps each F&B pair on a GPU; here its F runs,
 then its B.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-chunks 2 --pp-schedule zb-v --grad-acc 8
@@ -108,7 +108,7 @@ ORDERS = {"zb-v": zb_v_order, "dualpipev": dualpipev_order}
 
 
 def run_order(pipe, micro_batches, order):
-    """Run one rank's order of passes on schedules.Pipeline (split_backward: I defers dW to W)."""
+    """Run one rank's order of passes on passes.Pipeline (split_backward: I defers dW to W)."""
     pipe.begin(micro_batches)
     passes = {"F": pipe.forward, "B": pipe.backward, "I": pipe.backward_input, "W": pipe.backward_weight}
     for op, micro, chunk in order:

@@ -40,6 +40,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 pipeline = import_module("06_pipeline.pipeline")
+passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 moe = import_module("07_expert_parallel.moe")
@@ -143,7 +144,7 @@ def run(args, config, dataset, grid):
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
                        v_shape=args.pp_schedule in pipeline.V_SHAPED)
-    pipe = schedules.Pipeline(stages, p2p, schedules.pass_clock(device),          # ZB: split dW off B
+    pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                               split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync)
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

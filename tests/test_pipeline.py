@@ -27,6 +27,7 @@ import common
 from harness import layout_results, run_layouts
 
 pipeline = import_module("06_pipeline.pipeline")
+passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 v_schedules = import_module("06_pipeline.v_schedules")
@@ -238,7 +239,7 @@ def test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank(p, m):
         schedules.train_step_1f1b(pipe, [None] * m)
         assert sorted(pipe.passes) == sorted([(op, i) for op in "FB" for i in range(m)]), rank
         assert pipe.peak_held == min(m, p - rank), rank
-        events += [schedules.Event(rank, op, micro, 0, t, t + 0.5)          # one pass per time unit
+        events += [passes.Event(rank, op, micro, 0, t, t + 0.5)          # one pass per time unit
                    for t, (op, micro) in enumerate(pipe.passes)]
     assert timeline.replayed_bubble(events, p) == pytest.approx((p - 1) / m, abs=1e-12)
 

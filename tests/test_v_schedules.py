@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.pipelining.schedules as pipelining
 
+passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
 v_schedules = import_module("06_pipeline.v_schedules")
@@ -63,7 +64,7 @@ def test_orders_match_torch_pipelining(schedule):
 
 def _events(schedule, p, m):
     """The order of every rank as timeline Events in order (I recorded as a B whose W runs apart)."""
-    return [schedules.Event(rank, "B" if op == "I" else op, micro, chunk, k, k + 1) for rank in range(p)
+    return [passes.Event(rank, "B" if op == "I" else op, micro, chunk, k, k + 1) for rank in range(p)
             for k, (op, micro, chunk) in enumerate(v_schedules.ORDERS[schedule](p, rank, m))]
 
 

@@ -38,6 +38,7 @@ data = import_module("01_single_gpu.data")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 pipeline = import_module("06_pipeline.pipeline")
+passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 layout = import_module("08_5d_combined.layout")         # 08's flags, rules and order of transforms
 timeline = import_module("06_pipeline.timeline")
@@ -50,7 +51,7 @@ def _pipeline(args, grid, stages):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
                        shape, build.param_dtype(args), build.device_of(args))
-    return schedules.Pipeline(stages, p2p, schedules.pass_clock(build.device_of(args)),
+    return passes.Pipeline(stages, p2p, passes.pass_clock(build.device_of(args)),
                               split_backward=args.pp_schedule == "zb-h1")
 
 
@@ -245,8 +246,8 @@ def test_cuda_pass_clock_with_fake_events():
     config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)
     p2p = pipeline.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
-    clock = schedules.DeviceClock(FakeCudaEvent)
-    pipe = schedules.Pipeline(stages, p2p, clock)
+    clock = passes.DeviceClock(FakeCudaEvent)
+    pipe = passes.Pipeline(stages, p2p, clock)
     micro_batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)]
     FakeCudaEvent.synchronizations = 0
     schedules.train_step_1f1b(pipe, micro_batches)
