@@ -17,13 +17,10 @@ on this CPU-only machine "device" and "host" are both the CPU and the host copie
 
     torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 2 --offload optimizer
 
-New compared with zero.py: `OptimizerOffload`, and the two copies around the optimizer step in train.py.
+New compared with zero.py: `OptimizerOffload`, and the two copies around the optimizer step in train.py
+(the flag and the numbers: layout.py).
 """
-from importlib import import_module
-
 import torch
-
-zero = import_module("03_zero.zero")
 
 
 class OptimizerOffload:
@@ -63,37 +60,3 @@ class OptimizerOffload:
         states = sum(v.numel() * v.element_size() for state in optimizer.state.values()
                      for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return nbytes, nbytes, states
-
-
-# ======================================================================================
-# flags, and the paper's numbers
-# ======================================================================================
-def add_arguments(parser):
-    g = parser.add_argument_group("ZeRO-Offload (03)")
-    g.add_argument("--offload", choices=["none", "optimizer"], default="none",
-                   help="optimizer: AdamW's states and the master shard in host memory, the step on the CPU")
-    return g
-
-
-def check_offload(args):
-    """What offloading cannot do here, refused before any process group exists."""
-    if args.offload == "none":
-        return
-    if args.zero_stage == 3 and args.resume:
-        raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
-                         "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
-    if args.device == "cuda" and args.on_nonfinite == "skip":
-        raise ValueError("--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
-                         "with --offload optimizer, which NCCL cannot: use --on-nonfinite stop")
-    if getattr(args, "dtype", "float32") == "float16" or getattr(args, "precision_layout", "autocast") != \
-            "autocast":
-        raise ValueError("--offload optimizer keeps its own host copy of the shards as AdamW's master: use "
-                         "it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
-                         "--precision-layout bf16-16/bf16-20")
-
-
-def expected_bytes(stage, n, padded_bytes):
-    """ZeRO-Offload's split of the ZeRO paper's numbers (zero.expected_state_bytes), AdamW's 2 states:
-    (device parameters, gradients, optimizer states), (host master, gradients, optimizer states)."""
-    params, grads, states = zero.expected_state_bytes(stage, n, padded_bytes)
-    return (params, grads, 0), (states // 2, states // 2, states)

@@ -31,8 +31,10 @@ recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
+flat_unit = import_module("03_zero.flat_unit")
 zero_mod = import_module("03_zero.zero")
 offload_mod = import_module("03_zero.offload")
+layout_mod = import_module("03_zero.layout")
 
 
 def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
@@ -65,8 +67,7 @@ def eval_step(model, micro_batches, grid, args):
 def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp")
-    zero_mod.add_arguments(parser)
-    offload_mod.add_arguments(parser)
+    layout_mod.add_arguments(parser)
     mixed_precision.add_arguments(parser)
     return parser
 
@@ -74,8 +75,8 @@ def build_parser():
 def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
-    zero_mod.check_zero(args)
-    offload_mod.check_offload(args)
+    layout_mod.check_zero(args)
+    layout_mod.check_offload(args)
     mixed_precision.check_precision(args)
 
 
@@ -84,7 +85,7 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
     precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
-    zero = zero_mod.ZeRO(zero_mod.llama_units(model), grid.dp_group, args.zero_stage,
+    zero = zero_mod.ZeRO(flat_unit.llama_units(model), grid.dp_group, args.zero_stage,
                          source=build.source(model, args),  # stage 3: only this rank's shard ever exists
                          grad_dtype=precision.accumulation)
     offload = offload_mod.OptimizerOffload(zero.shards) if args.offload == "optimizer" else None
@@ -111,10 +112,10 @@ def run(args, config, dataset, grid):
         where = ", on the device" if offload else ""
         print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where}; "
                            f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
-        expected = zero_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
+        expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
                                                  sum(p.numel() for p in model.parameters()))
         if offload:                   # ZeRO-Offload's split: nothing of the optimizer left on the device
-            expected, host = offload_mod.expected_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+            expected, host = layout_mod.expected_offload_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
         print("  ZeRO paper:                  " + mib_line(expected))
         if offload:
             print("  host (offloaded), measured:  " + mib_line(offload.host_bytes(optimizer)))

@@ -1,9 +1,8 @@
 """ZeRO stages 1, 2 and 3: data parallelism that shards the model states instead of replicating them.
 
 Playbook §2.2 "ZeRO", Rajbhandari et al., ZeRO (§5 memory, §7 communication). The parameters are
-grouped into units, one per module (the embedding, each decoder layer, the final norm, the head); each
-unit is one flat buffer of U elements padded to a multiple of N, and data-parallel rank r owns the
-slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) steps only the shards.
+grouped into flat_unit.py's units, one per module, each padded to a multiple of N; data-parallel rank r
+owns slice r of every unit: its shard. AdamW (01's, unchanged) steps only the shards.
 
     stage 1  optimizer states   grads reduce-scattered after the last micro-batch; shards all-gathered
                                 after the step
@@ -14,7 +13,7 @@ slice [r·U/N, (r+1)·U/N) of every unit: its shard. AdamW (01's, unchanged) ste
 Memory per rank (Ψ padded elements, e bytes each, AdamW's 2 states): DP eΨ + eΨ + 2eΨ; stage 1
 eΨ + eΨ + 2eΨ/N; stage 2 eΨ + eΨ/N + 2eΨ/N; stage 3 eΨ/N + eΨ/N + 2eΨ/N. Wire bytes per step with A
 micro-batches and B = eΨ: 2·(N−1)/N·B (stage 1, DP's volume), (A+1)·(N−1)/N·B (stage 2),
-3A·(N−1)/N·B (stage 3). Derivation and worked output: 03_zero/README.md.
+3A·(N−1)/N·B (stage 3); layout.py holds the flags and these numbers. Derivation: 03_zero/README.md.
 
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
@@ -24,99 +23,17 @@ builds the units from the stage modules, leaves the experts (`exclude`) to a sec
 is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules for the norm.
 """
 import contextlib
-import math
 import warnings
 from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
-optim = import_module("01_single_gpu.optim")
 comm = import_module("02_data_parallel.comm")
-
-
-def llama_units(model):
-    """The modules whose parameters form one unit each, in forward order."""
-    return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
-
-
-class FlatUnit:
-    """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,).
-
-    The parameters that weight decay applies to (01's `decays`: the matrices) come first, the norm gains
-    after them, so the shard splits into at most two `pieces`, the Parameters AdamW steps: one decayed,
-    one not (each marked with `decays`, which 01's make_optimizer reads).
-    """
-
-    def __init__(self, index, module, params, rank, size, stage, source=None, grad_dtype=None):
-        params = sorted(params, key=lambda p: not optim.decays(p))            # stable: decayed first
-        self.index, self.module, self.params = index, module, params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.padded = math.ceil(self.offsets[-1] / size) * size               # U
-        self.lo, self.hi = rank * self.padded // size, (rank + 1) * self.padded // size
-        if params[0].is_meta:       # 01's materialize.py: values from the source, this rank's range only
-            self._materialize(source, stage)
-        else:                       # real parameters (08's ZeRO-1): copied into the flat buffer
-            self.full = params[0].new_zeros(self.padded)                      # (U,)
-            with torch.no_grad():
-                for p, view in zip(params, self.views(self.full)):
-                    view.copy_(p)
-                    p.data = view               # the module now computes with the flat buffer
-            self.shard = self.full[self.lo:self.hi] if stage < 3 else self.full[self.lo:self.hi].clone()
-        if stage == 3:              # the shard is all that persists; `full` is re-filled on demand
-            self.free()
-        decay_end = self.offsets[sum(optim.decays(p) for p in params)]        # where the norm gains start
-        self.pieces = []                                                      # views of the shard
-        for a, b, decayed in ((self.lo, min(self.hi, decay_end), True),
-                              (max(self.lo, decay_end), self.hi, False)):
-            if a < b:
-                piece = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo])
-                piece.decays, piece.start = decayed, a - self.lo
-                # which global parameters' elements it holds: checkpoints resume into any layout
-                piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
-                self.pieces.append(piece)
-        self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
-        grad_dtype = grad_dtype or self.shard.dtype       # bf16-20: fp32 buffers under bf16 parameters
-        self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
-        self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
-        self.grad_views = grad_dtype == self.shard.dtype  # stage 1: .grad can be a view of grad_full
-        self.ready, self.gather_work, self.gathered = 0, None, stage < 3
-
-    def views(self, flat):
-        return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
-
-    @torch.no_grad()
-    def _materialize(self, source, stage):
-        """Stages 1-2 fill the whole flat buffer (every rank holds the parameters); stage 3 allocates only
-        its shard and, one parameter at a time, generates those that overlap it: a rank never holds more
-        than its shard and one full tensor. The meta parameters become views of `full`."""
-        self.full = torch.zeros(self.padded, dtype=source.dtype, device=source.device) if stage < 3 else \
-            torch.empty(self.padded, dtype=source.dtype, device=source.device)   # (U,), never touched at stage 3
-        self.shard = self.full[self.lo:self.hi] if stage < 3 else \
-            torch.zeros(self.hi - self.lo, dtype=source.dtype, device=source.device)      # (U/N,)
-        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
-            lo, hi = max(a, self.lo), min(b, self.hi)           # p's elements inside this rank's shard
-            if stage < 3:
-                self.full[a:b] = source.values(p).flatten()
-            elif lo < hi:
-                self.shard[lo - self.lo:hi - self.lo] = source.values(p).flatten()[lo - a:hi - a]
-        self.materialized = {}                                              # ZeRO swaps them in
-        for p, view in zip(self.params, self.views(self.full)):
-            new = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
-            new.__dict__.update(p.__dict__)                               # global_name, block, tp_sharded
-            new.data = view         # a view's data with a version counter of its own (as the real path's
-            self.materialized[id(p)] = new   # p.data = view): re-gathering `full` must not look like an edit
-        self.params = [self.materialized[id(p)] for p in self.params]
-
-    def free(self):
-        self.full.untyped_storage().resize_(0)       # the parameters keep their shapes, not their bytes
-        self.gathered = False
+flat_unit = import_module("03_zero.flat_unit")
 
 
 class ZeRO:
@@ -153,8 +70,8 @@ class ZeRO:
                                  "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
             seen.update(params)
             if params:
-                self.units.append(FlatUnit(len(self.units), module, params, rank, self.size, stage, source,
-                                           grad_dtype))
+                self.units.append(flat_unit.FlatUnit(len(self.units), module, params, rank, self.size, stage,
+                                                     source, grad_dtype))
         materialized = {k: v for unit in self.units for k, v in getattr(unit, "materialized", {}).items()}
         for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
             materialize.swap_parameters(module, materialized)
@@ -391,38 +308,3 @@ class ZeRO:
                                      if torch.is_tensor(v) and v.dim() > 0)
         return params, grads, states + memory.held_bytes(stepped[len(self.shards):])
 
-
-# ======================================================================================
-# flags, layout rules and the paper's numbers
-# ======================================================================================
-def add_arguments(parser):
-    g = parser.add_argument_group("ZeRO (03)")
-    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=1,
-                   help="1: optimizer states, 2: + gradients, 3: + parameters sharded over the dp ranks")
-    return g
-
-
-def check_zero(args):
-    """What ZeRO-3 cannot do here, refused before any process group exists."""
-    if args.zero_stage != 3:
-        return
-    if args.tie_embeddings:
-        raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
-                         "or use --zero-stage 1 or 2")
-    if args.kernels != "torch":
-        raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
-                         "loss of --kernels triton bypasses: use --kernels torch")
-
-
-def expected_state_bytes(stage, n, padded_bytes, layout=None, numel=0):
-    """The ZeRO paper's split (params, grads, optimizer) for AdamW (2 states) in the parameters' dtype, or
-    for 01's mixed-precision `layout`: Ψ padded elements of w/g bytes, g reduced in the accumulation dtype
-    a (bf16-20: 4; stage 1 also keeps the `numel` parameters' bf16 .grad), fp32 master and AdamW over N."""
-    if layout is None or layout.master is None:
-        psi = padded_bytes
-        return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)
-    w, g, o = layout.bytes_per_parameter()
-    psi = padded_bytes // w                                           # elements
-    a = g - w if layout.accumulation else w                           # bytes of the reduced gradient buffer
-    grads = (a * psi + (w * numel if layout.accumulation else 0)) if stage == 1 else a * psi // n
-    return (w * psi // n if stage >= 3 else w * psi, grads, o * psi // n)

@@ -138,14 +138,14 @@ ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
 def _zero_layout(layout_and_stage):
     layout, stage = layout_and_stage
     import torch.distributed as dist
-    zero_mod = import_module("03_zero.zero")
+    layout_mod = import_module("03_zero.layout")
     records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(common.argv(
         "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
         steps=2, mbs=1, dtype="bfloat16"))
     numel = sum(p.numel() for p in model.parameters())
     return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model),
                 held=zero.model_state_bytes(model, optimizer),
-                expected=zero_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
+                expected=layout_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
                                                        optimizer.layout, numel))
 
 

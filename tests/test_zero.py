@@ -5,7 +5,7 @@ gradient norms per step, and the final parameters (stage 3 gathers its shards fo
 is the tiny Llama with hidden size 42 and intermediate size 63, so the layer and norm units hold a
 number of elements that 4 does not divide: every stage pads. Then the bytes the meter saw and
 the bytes of parameters, gradients and optimizer states this rank holds are checked, exactly,
-against zero.py's docstring formulas.
+against layout.py's formulas (zero.py's docstring).
 """
 from importlib import import_module
 
@@ -16,7 +16,8 @@ import common
 from harness import layout_results, run_layouts, run_ranks
 
 zero_mod = import_module("03_zero.zero")
-offload_mod = import_module("03_zero.offload")
+flat_unit = import_module("03_zero.flat_unit")
+layout_mod = import_module("03_zero.layout")
 
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
 STAGES = (1, 2, 3)
@@ -35,7 +36,7 @@ def _zero_stage(stage, steps, grad_acc, extra=()):
                 wire=dict(meter.wire), calls=dict(meter.calls), events=events,
                 held=zero.model_state_bytes(model, optimizer), padded_bytes=zero.padded_bytes,
                 unpadded_bytes=sum(p.numel() * 4 for p in model.parameters()), units=len(zero.units),
-                expected_held=zero_mod.expected_state_bytes(stage, world_size(), zero.padded_bytes))
+                expected_held=layout_mod.expected_state_bytes(stage, world_size(), zero.padded_bytes))
 
 
 def world_size():
@@ -171,7 +172,7 @@ def _offload_stage(stage, steps, grad_acc):
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
                 held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
-                expected=offload_mod.expected_bytes(stage, world_size(), zero.padded_bytes),
+                expected=layout_mod.expected_offload_bytes(stage, world_size(), zero.padded_bytes),
                 steps_masters=len(stepped) == len(offload.master) and
                               {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
                 disjoint=not device & storages([*offload.master, *offload.grads, *states]),
@@ -221,7 +222,7 @@ def _zero1_against_adamw_rank():
         p.global_name = name                     # as 01's build_model names them (checkpoints need it)
     ids = torch.randint(0, config.vocab_size, (4, 17))
     mine = ids.chunk(dist.get_world_size())[dist.get_rank()]                      # (2, 17)
-    zero = zero_mod.ZeRO(zero_mod.llama_units(model), dist.group.WORLD, stage=1)
+    zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1)
     optimizer = optim.make_optimizer(zero.shards, args)
     dense_optimizer = optim.make_optimizer(dense.parameters(), args)
@@ -264,4 +265,4 @@ def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
     assert not dist.is_initialized()
     offload_flags = dict(offload="optimizer", zero_stage=3, resume=True, device="cpu", on_nonfinite="stop")
     with pytest.raises(ValueError, match="resume with --zero-stage 1 or 2"):   # needs a checkpoint to reach
-        offload_mod.check_offload(type("Args", (), offload_flags))
+        layout_mod.check_offload(type("Args", (), offload_flags))

@@ -1,0 +1,104 @@
+"""ZeRO's flat units: one module's parameters as one padded buffer, and this rank's shard of it.
+
+Playbook §2.2 "ZeRO", Rajbhandari et al. §5. The parameters are grouped into units, one per module (the
+embedding, each decoder layer, the final norm, the head); each unit is one flat buffer of U elements
+padded to a multiple of N, and data-parallel rank r owns the slice [r·U/N, (r+1)·U/N): its shard.
+
+    full    (U,)     the module's parameters are views of it (stage 3: allocated only while gathered)
+    shard   (U/N,)   a slice of full (stages 1-2) or a tensor of its own (stage 3: all that persists)
+    pieces           the shard's decayed and non-decayed parts: the Parameters 01's AdamW steps
+
+A rank never holds more than its shard and one full tensor while building stage 3's units from meta
+parameters (01's materialize.py). zero.py shards a model with them; the command that runs it:
+
+    torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
+
+New compared with 02: the flat buffers that ZeRO's collectives read and write in place.
+"""
+import math
+from importlib import import_module
+
+import torch
+
+global_state = import_module("01_single_gpu.global_state")
+optim = import_module("01_single_gpu.optim")
+
+
+def llama_units(model):
+    """The modules whose parameters form one unit each, in forward order."""
+    return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+
+
+class FlatUnit:
+    """One module's parameters as a flat buffer `full` (U,), U a multiple of N; `shard` is (U/N,).
+
+    The parameters that weight decay applies to (01's `decays`: the matrices) come first, the norm gains
+    after them, so the shard splits into at most two `pieces`, the Parameters AdamW steps: one decayed,
+    one not (each marked with `decays`, which 01's make_optimizer reads).
+    """
+
+    def __init__(self, index, module, params, rank, size, stage, source=None, grad_dtype=None):
+        params = sorted(params, key=lambda p: not optim.decays(p))            # stable: decayed first
+        self.index, self.module, self.params = index, module, params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.padded = math.ceil(self.offsets[-1] / size) * size               # U
+        self.lo, self.hi = rank * self.padded // size, (rank + 1) * self.padded // size
+        if params[0].is_meta:       # 01's materialize.py: values from the source, this rank's range only
+            self._materialize(source, stage)
+        else:                       # real parameters (08's ZeRO-1): copied into the flat buffer
+            self.full = params[0].new_zeros(self.padded)                      # (U,)
+            with torch.no_grad():
+                for p, view in zip(params, self.views(self.full)):
+                    view.copy_(p)
+                    p.data = view               # the module now computes with the flat buffer
+            self.shard = self.full[self.lo:self.hi] if stage < 3 else self.full[self.lo:self.hi].clone()
+        if stage == 3:              # the shard is all that persists; `full` is re-filled on demand
+            self.free()
+        decay_end = self.offsets[sum(optim.decays(p) for p in params)]        # where the norm gains start
+        self.pieces = []                                                      # views of the shard
+        for a, b, decayed in ((self.lo, min(self.hi, decay_end), True),
+                              (max(self.lo, decay_end), self.hi, False)):
+            if a < b:
+                piece = torch.nn.Parameter(self.shard[a - self.lo:b - self.lo])
+                piece.decays, piece.start = decayed, a - self.lo
+                # which global parameters' elements it holds: checkpoints resume into any layout
+                piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
+                self.pieces.append(piece)
+        self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
+        grad_dtype = grad_dtype or self.shard.dtype       # bf16-20: fp32 buffers under bf16 parameters
+        self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
+        self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
+        self.grad_views = grad_dtype == self.shard.dtype  # stage 1: .grad can be a view of grad_full
+        self.ready, self.gather_work, self.gathered = 0, None, stage < 3
+
+    def views(self, flat):
+        return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]
+
+    @torch.no_grad()
+    def _materialize(self, source, stage):
+        """Stages 1-2 fill the whole flat buffer (every rank holds the parameters); stage 3 allocates only
+        its shard and, one parameter at a time, generates those that overlap it: a rank never holds more
+        than its shard and one full tensor. The meta parameters become views of `full`."""
+        self.full = torch.zeros(self.padded, dtype=source.dtype, device=source.device) if stage < 3 else \
+            torch.empty(self.padded, dtype=source.dtype, device=source.device)   # (U,), never touched at stage 3
+        self.shard = self.full[self.lo:self.hi] if stage < 3 else \
+            torch.zeros(self.hi - self.lo, dtype=source.dtype, device=source.device)      # (U/N,)
+        for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):
+            lo, hi = max(a, self.lo), min(b, self.hi)           # p's elements inside this rank's shard
+            if stage < 3:
+                self.full[a:b] = source.values(p).flatten()
+            elif lo < hi:
+                self.shard[lo - self.lo:hi - self.lo] = source.values(p).flatten()[lo - a:hi - a]
+        self.materialized = {}                                              # ZeRO swaps them in
+        for p, view in zip(self.params, self.views(self.full)):
+            new = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            new.__dict__.update(p.__dict__)                               # global_name, block, tp_sharded
+            new.data = view         # a view's data with a version counter of its own (as the real path's
+            self.materialized[id(p)] = new   # p.data = view): re-gathering `full` must not look like an edit
+        self.params = [self.materialized[id(p)] for p in self.params]
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)       # the parameters keep their shapes, not their bytes
+        self.gathered = False

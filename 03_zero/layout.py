@@ -1,0 +1,83 @@
+"""03's flags, the layouts it refuses, and the ZeRO and ZeRO-Offload papers' bytes per rank.
+
+Playbook §2.2 "ZeRO"; Rajbhandari et al. §5 (the split of the model states), Ren et al. §4 (offload).
+Shared by 03's train.py and the tests, which check the bytes zero.py and offload.py really hold against
+these numbers. Per rank, Ψ padded elements of e bytes, N ranks, AdamW's 2 states:
+
+    stage 1   parameters eΨ      gradients eΨ      optimizer states 2eΨ/N     `expected_state_bytes`
+    stage 2   parameters eΨ      gradients eΨ/N    optimizer states 2eΨ/N
+    stage 3   parameters eΨ/N    gradients eΨ/N    optimizer states 2eΨ/N
+    offload   the device keeps the stage's parameters and gradients, no optimizer state; the host the
+              master shard eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
+
+`check_zero` and `check_offload` raise every rule's error before any process group exists.
+
+    torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 2 --offload optimizer
+New compared with 02: --zero-stage and --offload.
+"""
+
+
+def add_arguments(parser):
+    """--zero-stage and --offload."""
+    g = parser.add_argument_group("ZeRO and ZeRO-Offload (03)")
+    g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=1,
+                   help="1: optimizer states, 2: + gradients, 3: + parameters sharded over the dp ranks")
+    g.add_argument("--offload", choices=["none", "optimizer"], default="none",
+                   help="optimizer: AdamW's states and the master shard in host memory, the step on the CPU")
+    return g
+
+
+# ======================================================================================
+# ZeRO-1/2/3 (zero.py)
+# ======================================================================================
+def check_zero(args):
+    """What ZeRO-3 cannot do here, refused before any process group exists."""
+    if args.zero_stage != 3:
+        return
+    if args.tie_embeddings:
+        raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
+                         "or use --zero-stage 1 or 2")
+    if args.kernels != "torch":
+        raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "
+                         "loss of --kernels triton bypasses: use --kernels torch")
+
+
+def expected_state_bytes(stage, n, padded_bytes, layout=None, numel=0):
+    """The ZeRO paper's split (params, grads, optimizer) for AdamW (2 states) in the parameters' dtype, or
+    for 01's mixed-precision `layout`: Ψ padded elements of w/g bytes, g reduced in the accumulation dtype
+    a (bf16-20: 4; stage 1 also keeps the `numel` parameters' bf16 .grad), fp32 master and AdamW over N."""
+    if layout is None or layout.master is None:
+        psi = padded_bytes
+        return (psi // n if stage >= 3 else psi, psi // n if stage >= 2 else psi, 2 * psi // n)
+    w, g, o = layout.bytes_per_parameter()
+    psi = padded_bytes // w                                           # elements
+    a = g - w if layout.accumulation else w                           # bytes of the reduced gradient buffer
+    grads = (a * psi + (w * numel if layout.accumulation else 0)) if stage == 1 else a * psi // n
+    return (w * psi // n if stage >= 3 else w * psi, grads, o * psi // n)
+
+
+# ======================================================================================
+# ZeRO-Offload (offload.py)
+# ======================================================================================
+def check_offload(args):
+    """What offloading cannot do here, refused before any process group exists."""
+    if args.offload == "none":
+        return
+    if args.zero_stage == 3 and args.resume:
+        raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
+                         "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
+    if args.device == "cuda" and args.on_nonfinite == "skip":
+        raise ValueError("--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
+                         "with --offload optimizer, which NCCL cannot: use --on-nonfinite stop")
+    if getattr(args, "dtype", "float32") == "float16" or getattr(args, "precision_layout", "autocast") != \
+            "autocast":
+        raise ValueError("--offload optimizer keeps its own host copy of the shards as AdamW's master: use "
+                         "it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
+                         "--precision-layout bf16-16/bf16-20")
+
+
+def expected_offload_bytes(stage, n, padded_bytes):
+    """ZeRO-Offload's split of the ZeRO paper's numbers (expected_state_bytes), AdamW's 2 states:
+    (device parameters, gradients, optimizer states), (host master, gradients, optimizer states)."""
+    params, grads, states = expected_state_bytes(stage, n, padded_bytes)
+    return (params, grads, 0), (states // 2, states // 2, states)
