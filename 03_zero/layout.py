@@ -22,8 +22,9 @@ def add_arguments(parser):
     g = parser.add_argument_group("ZeRO and ZeRO-Offload (03)")
     g.add_argument("--zero-stage", type=int, choices=[1, 2, 3], default=1,
                    help="1: optimizer states, 2: + gradients, 3: + parameters sharded over the dp ranks")
-    g.add_argument("--offload", choices=["none", "optimizer"], default="none",
-                   help="optimizer: AdamW's states and the master shard in host memory, the step on the CPU")
+    g.add_argument("--offload", choices=["none", "optimizer", "param"], default="none",
+                   help="optimizer: AdamW's states and the master shard in host memory, the step on the CPU; "
+                        "param (ZeRO-3): the parameter shards too, copied to the device for each all-gather")
     return g
 
 
@@ -63,21 +64,35 @@ def check_offload(args):
     """What offloading cannot do here, refused before any process group exists."""
     if args.offload == "none":
         return
-    if args.zero_stage == 3 and args.resume:
+    if args.offload == "param" and args.zero_stage != 3:
+        raise ValueError(f"--offload param moves ZeRO-3's parameter shards to the host: add --zero-stage 3 "
+                         f"(not {args.zero_stage}), or use --offload optimizer")
+    if args.offload == "optimizer" and args.zero_stage == 3 and args.resume:
         raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
                          "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
     if args.device == "cuda" and args.on_nonfinite == "skip":
-        raise ValueError("--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
-                         "with --offload optimizer, which NCCL cannot: use --on-nonfinite stop")
+        raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
+                         f"with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
     if getattr(args, "dtype", "float32") == "float16" or getattr(args, "precision_layout", "autocast") != \
             "autocast":
-        raise ValueError("--offload optimizer keeps its own host copy of the shards as AdamW's master: use "
-                         "it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
-                         "--precision-layout bf16-16/bf16-20")
+        raise ValueError(f"--offload {args.offload} keeps its own host copy of the shards as AdamW's master: "
+                         f"use it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
+                         f"--precision-layout bf16-16/bf16-20")
 
 
-def expected_offload_bytes(stage, n, padded_bytes):
+def expected_offload_bytes(offload, stage, n, padded_bytes):
     """ZeRO-Offload's split of the ZeRO paper's numbers (expected_state_bytes), AdamW's 2 states:
-    (device parameters, gradients, optimizer states), (host master, gradients, optimizer states)."""
+    (device parameters, gradients, optimizer states), (host master, gradients, optimizer states).
+    "param" (ZeRO-3): the device keeps nothing between steps; the host the same 1/N as "optimizer"'s."""
     params, grads, states = expected_state_bytes(stage, n, padded_bytes)
-    return (params, grads, 0), (states // 2, states // 2, states)
+    device = (0, 0, 0) if offload == "param" else (params, grads, 0)
+    return device, (states // 2, states // 2, states)
+
+
+def peak_gathered_bytes(units):
+    """--offload param: the most the device holds of the model during a step, e·max over neighbouring
+    units k, k+1 of (U_k + U_k+1 + max(U_k, U_k+1)/N): the unit running and the one prefetched (forward:
+    k+1, backward: k), gathered, and the prefetched one's shard copy, until its all-gather has read it."""
+    full = [u.padded * u.full.element_size() for u in units]
+    n = units[0].padded // (units[0].hi - units[0].lo)
+    return max(a + b + max(a, b) // n for a, b in zip(full, full[1:]))

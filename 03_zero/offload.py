@@ -20,7 +20,12 @@ on this CPU-only machine "device" and "host" are both the CPU and the host copie
 New compared with zero.py: `OptimizerOffload`, and the two copies around the optimizer step in train.py
 (the flag and the numbers: layout.py).
 """
+from importlib import import_module
+
 import torch
+
+memory = import_module("01_single_gpu.memory")
+zero = import_module("03_zero.zero")
 
 
 class OptimizerOffload:
@@ -60,3 +65,70 @@ class OptimizerOffload:
         states = sum(v.numel() * v.element_size() for state in optimizer.state.values()
                      for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return nbytes, nbytes, states
+
+
+class ParameterOffload(zero.ZeRO):
+    """ZeRO-3 whose shards, and their gradients, live in host memory (ZeRO-Infinity's parameter offload).
+
+    Each unit's `shard` (U/N,) is a host tensor, and so are the optimizer's pieces (views of it) and
+    `shard_grad`: AdamW steps them on the host, with no master copy. A unit is copied to the device just
+    before its all-gather (`_shard_on_device`: the copy lives until the gather completes), and each
+    reduce-scatter's slice is added into the host's `shard_grad` (zero.py's `_retire`). The device holds
+    only the units gathered at the moment (and activations). Measured: `peak_device_bytes` (full units
+    and shard copies), `h2d_bytes` and `d2h_bytes` (the copies of the current step)."""
+
+    def __init__(self, modules, group, source=None):
+        super().__init__(modules, group, stage=3, source=source)
+        self.device = self.units[0].full.device
+        for unit in self.units:
+            unit.shard = host_copy(unit.shard)       # the device's shard goes: nothing of it persists there
+            for piece in unit.pieces:
+                piece.data = unit.shard[piece.start:piece.start + piece.numel()]
+            unit.shard_grad = host_copy(unit.shard_grad)
+            unit.device_copy = None                  # (U/N,) on the device while its all-gather runs
+        self.peak_device_bytes = self.h2d_bytes = self.d2h_bytes = 0
+
+    def zero_gradients(self):
+        super().zero_gradients()
+        self.h2d_bytes = self.d2h_bytes = 0
+
+    def _shard_on_device(self, unit):
+        """host -> device: a copy of the shard (pinned source: an asynchronous DMA on a GPU)."""
+        unit.device_copy = torch.empty(unit.shard.shape, dtype=unit.shard.dtype, device=self.device)
+        unit.device_copy.copy_(unit.shard, non_blocking=True)
+        self.h2d_bytes += unit.device_copy.numel() * unit.device_copy.element_size()
+        self.events.append(("to_device", unit.index))
+        return unit.device_copy
+
+    def _gather(self, unit):
+        super()._gather(unit)
+        copies = sum(u.device_copy.numel() * u.device_copy.element_size() for u in self.units
+                     if u.device_copy is not None)
+        self.peak_device_bytes = max(self.peak_device_bytes, self.gathered_bytes + copies)
+
+    def _materialize(self, unit):
+        super()._materialize(unit)
+        unit.device_copy = None                      # the gather has read it
+
+    def _retire(self, keep):
+        for _, unit, flat in self.in_flight[:len(self.in_flight) - keep]:
+            self.d2h_bytes += (unit.hi - unit.lo) * flat.element_size()
+            self.events.append(("to_host", unit.index))
+        super()._retire(keep)
+
+    def model_state_bytes(self, model, optimizer):
+        """(parameters, gradients, optimizer states) bytes held on the device between steps: the model's
+        parameters (freed) and their .grad (none); everything else is `host_bytes`'."""
+        return memory.held_bytes(model.parameters()), memory.held_bytes(p.grad for p in model.parameters()), 0
+
+    def host_bytes(self, optimizer):
+        """(parameter shards, gradient shards, optimizer states) bytes on the host."""
+        return (memory.held_bytes(u.shard for u in self.units), memory.held_bytes(u.shard_grad for u in self.units),
+                memory.optimizer_state_bytes(optimizer))
+
+
+def host_copy(tensor):
+    """A host tensor of its own with tensor's values: page-locked when the device is a GPU."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    host.copy_(tensor)
+    return host

@@ -85,15 +85,19 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
     precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
-    zero = zero_mod.ZeRO(flat_unit.llama_units(model), grid.dp_group, args.zero_stage,
-                         source=build.source(model, args),  # stage 3: only this rank's shard ever exists
-                         grad_dtype=precision.accumulation)
+    if args.offload == "param":                             # ZeRO-3 with the shards on the host
+        zero = offload_mod.ParameterOffload(flat_unit.llama_units(model), grid.dp_group, build.source(model, args))
+    else:
+        zero = zero_mod.ZeRO(flat_unit.llama_units(model), grid.dp_group, args.zero_stage,
+                             source=build.source(model, args),  # stage 3: only this rank's shard ever exists
+                             grad_dtype=precision.accumulation)
     offload = offload_mod.OptimizerOffload(zero.shards) if args.offload == "optimizer" else None
     optimizer = mixed_precision.MixedPrecisionOptimizer(offload.master if offload else zero.shards, args,
                                                         hooks=False)   # AdamW on the fp32 masters
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
+    host_side = offload or (zero if args.offload == "param" else None)     # what holds the host's bytes
     step = functools.partial(train_step, model, optimizer, zero=zero, offload=offload, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset,
@@ -109,17 +113,22 @@ def run(args, config, dataset, grid):
                                                        build.activation_element_bytes(args), args.recompute)
         report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
                                      layout=precision.name)
-        where = ", on the device" if offload else ""
+        where = ", on the device" if host_side else ""
         print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where}; "
                            f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
         expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
                                                  sum(p.numel() for p in model.parameters()))
-        if offload:                   # ZeRO-Offload's split: nothing of the optimizer left on the device
-            expected, host = layout_mod.expected_offload_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes)
+        if host_side:                 # ZeRO-Offload's split: the optimizer (and param: the shards) on the host
+            expected, host = layout_mod.expected_offload_bytes(args.offload, args.zero_stage, grid.dp_size,
+                                                               zero.padded_bytes)
         print("  ZeRO paper:                  " + mib_line(expected))
-        if offload:
-            print("  host (offloaded), measured:  " + mib_line(offload.host_bytes(optimizer)))
+        if host_side:
+            print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))
             print("  ZeRO-Offload paper, host:    " + mib_line(host))
+        if args.offload == "param":
+            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most (gathered units "
+                  f"and shard copies, measured), {layout_mod.peak_gathered_bytes(zero.units) / 2**20:.2f} MiB "
+                  f"by the formula")
     return records, zero, model, optimizer, meter, offload
 
 

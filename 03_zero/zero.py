@@ -161,8 +161,8 @@ class ZeRO:
 
     def clip_gradients(self, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
-        squares = self.shard_squares()                                        # () this rank's part
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
+        squares = self.shard_squares().to(self.units[0].full.device if self.units else None)  # () mine;
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)    # offload.py: from the host
         norm = squares.sqrt()
         if max_norm > 0:
             self.scale_gradients((max_norm / (norm + 1e-6)).clamp(max=1.0))
@@ -172,7 +172,7 @@ class ZeRO:
         """() Σ of the squares of this rank's shard gradients that belong to parameters p with which(p)
         (08 sums tp-sharded and replicated weights differently); the padding holds zeros."""
         dtype = torch.promote_types(self.units[0].shard.dtype, torch.float32) if self.units else torch.float32
-        total = torch.zeros((), dtype=dtype, device=self.units[0].full.device if self.units else None)
+        total = torch.zeros((), dtype=dtype, device=self.units[0].shard.device if self.units else None)
         for unit in self.units:
             for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
                 lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
@@ -182,7 +182,7 @@ class ZeRO:
 
     def scale_gradients(self, coef):
         for unit in self.units:
-            unit.grad.mul_(coef.to(unit.grad.dtype))
+            unit.grad.mul_(coef.to(unit.grad.device, unit.grad.dtype))
 
     # ==================================================================================
     # stages 2-3: reduce-scatter each unit's gradients as soon as they are complete
@@ -217,7 +217,8 @@ class ZeRO:
         while len(self.in_flight) > keep:
             work, unit, flat = self.in_flight.pop(0)
             work.wait()
-            unit.shard_grad += flat[unit.lo:unit.hi]                          # (U/N,) summed over ranks
+            # (U/N,) summed over ranks; offload.py's ParameterOffload keeps it on the host: a d2h copy
+            unit.shard_grad += flat[unit.lo:unit.hi].to(unit.shard_grad.device)
 
     def _end_of_backward(self):
         for unit in self.units:
@@ -235,12 +236,15 @@ class ZeRO:
         if unit.gathered or unit.gather_work is not None:
             return
         unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
-        unit.gather_work = comm.all_gather_flat(unit.full, unit.shard, group=self.group,
+        unit.gather_work = comm.all_gather_flat(unit.full, self._shard_on_device(unit), group=self.group,
                                                 async_op=True)                 # (U/N,) -> (U,)
         self.events.append(("gather_issued", unit.index))
         self.gathered_bytes = sum(u.padded * u.full.element_size() for u in self.units
                                   if u.gathered or u.gather_work is not None)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _shard_on_device(self, unit):
+        return unit.shard             # offload.py's ParameterOffload: a copy of the host's, made now
 
     def gather(self, units):
         """Pipelined stage 3: have `units` (a pipeline chunk's) whole, issuing their all-gathers at once."""

@@ -132,11 +132,15 @@ DP2_STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def dp2_runs():
-    """One 2-rank spawn for the dp 2 × mbs 1 tests below (ZeRO-3 under recompute, the offloaded stages), and
-    01's run of the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it),
-    so 01 with full recompute is every layout's reference."""
-    layouts = {"zero3-recompute": ("recompute", 3), **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES}}
+def dp2_runs(tmp_path_factory):
+    """One 2-rank spawn for the dp 2 × mbs 1 tests below (ZeRO-3 under recompute, the offloaded stages, the
+    offloaded parameters: a run, then a 1-step run that saves a checkpoint and its resume), and 01's run of
+    the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it), so 01
+    with full recompute is every layout's reference."""
+    checkpoints = str(tmp_path_factory.mktemp("param_offload"))
+    layouts = {"zero3-recompute": ("recompute", 3), **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES},
+               "offload-param": ("param", ()), "offload-param-save": ("param", ("--checkpoint-dir", checkpoints)),
+               "offload-param-resume": ("param", ("--checkpoint-dir", checkpoints, "--resume"))}
     return run_layouts(_dp2_layout, layouts, 2), single_device(DP2_STEPS, 2, 1, extra=("--recompute", "full"))
 
 
@@ -144,6 +148,8 @@ def _dp2_layout(layout):
     kind, stage = layout
     if kind == "recompute":
         return _zero_stage(stage, DP2_STEPS, 1, extra=("--recompute", "full"))
+    if kind == "param":            # `stage` is the checkpoint flags here: the save run stops after 1 step
+        return _param_offload(1 if stage and "--resume" not in stage else DP2_STEPS, stage)
     return _offload_stage(stage, DP2_STEPS, 1)
 
 
@@ -172,7 +178,7 @@ def _offload_stage(stage, steps, grad_acc):
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
                 held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
-                expected=layout_mod.expected_offload_bytes(stage, world_size(), zero.padded_bytes),
+                expected=layout_mod.expected_offload_bytes("optimizer", stage, world_size(), zero.padded_bytes),
                 steps_masters=len(stepped) == len(offload.master) and
                               {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
                 disjoint=not device & storages([*offload.master, *offload.grads, *states]),
@@ -203,6 +209,62 @@ def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_devi
         assert got["held"] == device and device[2] == 0 and got["host"] == host, what
         assert got["steps_masters"] and got["disjoint"] and got["copied_back"] and got["on_host"], what
         assert got["adam_steps"] == {float(DP2_STEPS)}, what
+
+
+def _param_offload(steps, extra):
+    """ZeRO-3 with --offload param on this rank: its numbers, what the device and the host hold, the copies."""
+    records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(
+        common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", 3, "--offload", "param", steps=steps,
+                    mbs=1, grad_acc=1))
+    host = [*(u.shard for u in zero.units), *(u.shard_grad for u in zero.units),
+            *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())]
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    events = list(zero.events)
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                held=zero.model_state_bytes(model, optimizer), host=zero.host_bytes(optimizer),
+                expected=layout_mod.expected_offload_bytes("param", 3, world_size(), zero.padded_bytes),
+                peak=zero.peak_device_bytes, peak_formula=layout_mod.peak_gathered_bytes(zero.units),
+                h2d=zero.h2d_bytes, d2h=zero.d2h_bytes, padded_bytes=zero.padded_bytes, events=events,
+                steps_host_shards={p.untyped_storage().data_ptr() for p in stepped} ==
+                                  {u.shard.untyped_storage().data_ptr() for u in zero.units},
+                on_host=all(t.device.type == "cpu" and t.is_pinned() == (zero.device.type == "cuda") for t in host),
+                state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()})
+
+
+def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_steps_and_resumes(dp2_runs):
+    """ZeRO-3 with --offload param, dp 2 × mbs 1, == ZeRO-3 without offload bit for bit (the same sums and
+    AdamW on the same fp32 values, in host tensors) and == 01 with mbs 2 (tolerances as above).
+
+    Per rank, exact: between steps the device holds no parameter, gradient or optimizer byte; the host the
+    parameter shard Ψ/N, its gradient Ψ/N and AdamW's 2Ψ/N (layout.expected_offload_bytes), all CPU tensors
+    (pinned on a GPU); AdamW steps the host shards themselves. During the step the device's peak of
+    gathered units and shard copies is layout.peak_gathered_bytes (two neighbouring units and the
+    prefetched one's copy); each all-gather is preceded by its unit's host -> device copy, 2Ψ/N bytes per
+    micro-batch (forward and backward gathers) and Ψ/N back. A run saving a checkpoint after step 1, resumed,
+    gives step 2's loss and the final parameters of the uninterrupted run exactly: the checkpoint holds the
+    host shards' values and AdamW's host states.
+    """
+    outcomes, reference = dp2_runs
+    results = layout_results(outcomes, "offload-param")
+    check_against_single(results, 3, reference)
+    for rank, (got, plain) in enumerate(zip(results, layout_results(outcomes, "zero3-recompute"))):
+        what = f"ZeRO-3 --offload param, rank {rank}"
+        assert got["losses"] == plain["losses"] and got["norms"] == plain["norms"], what
+        for name, value in plain["state"].items():
+            assert (got["state"][name] == value).all(), f"{what} {name}"
+        device, host = got["expected"]
+        shard = got["padded_bytes"] // 2
+        assert got["held"] == device == (0, 0, 0) and got["host"] == host == (shard, shard, 2 * shard), what
+        assert got["steps_host_shards"] and got["on_host"], what
+        assert got["peak"] == got["peak_formula"], what
+        assert got["h2d"] == 2 * shard and got["d2h"] == shard, what      # the last step's, 1 micro-batch
+        events = got["events"]
+        gathers = [i for i, (kind, _) in enumerate(events) if kind == "gather_issued"]
+        assert gathers and all(events[i - 1] == ("to_device", events[i][1]) for i in gathers), what
+    for rank, (whole, resumed) in enumerate(zip(results, layout_results(outcomes, "offload-param-resume"))):
+        assert resumed["losses"] == whole["losses"][1:], f"rank {rank}"
+        for name, value in whole["state"].items():
+            assert (resumed["state"][name] == value).all(), f"resumed rank {rank} {name}"
 
 
 def _zero1_against_adamw_rank():
@@ -253,12 +315,14 @@ def test_zero1_step_equals_adamw_on_the_whole_batch():
 
 
 def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
-    """A wrong world size, or ZeRO-3 with tied weights, exits with the fix named and no group made."""
+    """A wrong world size, ZeRO-3 with tied weights, or --offload param below stage 3 exits with the fix
+    named and no group made."""
     import torch.distributed as dist
     zero_train = import_module("03_zero.train")
     monkeypatch.setenv("WORLD_SIZE", "4")
     for flags, message in ((("--dp", 2), "launch with --nproc_per_node 2"),
-                           (("--dp", 4, "--zero-stage", 3, "--tie-embeddings"), "drop --tie-embeddings")):
+                           (("--dp", 4, "--zero-stage", 3, "--tie-embeddings"), "drop --tie-embeddings"),
+                           (("--dp", 4, "--zero-stage", 2, "--offload", "param"), "add --zero-stage 3")):
         with pytest.raises(SystemExit):
             zero_train.main(common.argv(*flags))
         assert message in capsys.readouterr().err
