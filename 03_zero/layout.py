@@ -7,8 +7,9 @@ these numbers. Per rank, Ψ padded elements of e bytes, N ranks, AdamW's 2 state
     stage 1   parameters eΨ      gradients eΨ      optimizer states 2eΨ/N     `expected_state_bytes`
     stage 2   parameters eΨ      gradients eΨ/N    optimizer states 2eΨ/N
     stage 3   parameters eΨ/N    gradients eΨ/N    optimizer states 2eΨ/N
-    offload   the device keeps the stage's parameters and gradients, no optimizer state; the host the
-              master shard eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
+    offload   optimizer: the device keeps the stage's parameters and gradients, no optimizer state;
+              param (ZeRO-3): nothing between steps (`peak_gathered_bytes` during one); the host the
+              master or shard eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
 
 `check_zero` and `check_offload` raise every rule's error before any process group exists.
 

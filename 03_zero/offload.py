@@ -1,24 +1,28 @@
-"""ZeRO-Offload: the optimizer states, and the master copy of the shard they update, in host memory.
+"""ZeRO-Offload: the optimizer states and master shard in host memory (`--offload optimizer`), and with
+ZeRO-3 the parameter shards and their gradients too (`--offload param`).
 
-Playbook §2.2 "ZeRO"; Ren et al. 2021, ZeRO-Offload §4 (the ZeRO paper's ZeRO-R family). ZeRO-1/2/3 leave
-1/N of AdamW's states on each device; offloading moves them, with the master parameters they update, to
-the CPU and runs the step there. Per step, after the reduce-scatter (and the clip, on the device):
+Playbook §2.2 "ZeRO"; Ren et al. 2021, ZeRO-Offload §4; Rajbhandari et al. 2021, ZeRO-Infinity §5 (the
+parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
 
-    device -> host   this rank's gradient shard, each unit's (U/N,)        `gradients_to_host`
-    host             AdamW on the master shard and its exp_avg, exp_avg_sq  (01's optimizer, unchanged)
-    host -> device   the updated shard; stages 1-2 then all-gather it       `parameters_to_device`
+    optimizer  after the reduce-scatter and the clip: the gradient shard to the host (`gradients_to_host`),
+               AdamW there on the master shard, the updated shard back (`parameters_to_device`), eΨ/N
+               each way; device: the stage's parameters and gradients, no optimizer state
+    param      ZeRO-3's shard lives on the host and AdamW steps it there; each unit is copied to the
+               device just before its all-gather and freed with it (2A·eΨ/N host -> device), each
+               reduce-scatter's slice added into the host's gradient (A·eΨ/N back); the device keeps
+               nothing between steps, at most two neighbouring units gathered and one shard copy during
+               one (layout.peak_gathered_bytes)
+    host       master or shard eΨ/N + gradient eΨ/N + AdamW's states 2eΨ/N, in both modes
 
-Memory per rank, Ψ padded elements of e bytes, N ranks: device parameters eΨ (stage 3: eΨ/N), gradients as
-the stage keeps them, optimizer states 0; host master eΨ/N + gradient eΨ/N + states 2eΨ/N. Traffic: eΨ/N
-bytes each way per step. The step is the same AdamW on the same numbers, so losses and parameters equal
-ZeRO-s's and 01's. On a GPU the host tensors are page-locked (pinned), so both copies are DMA transfers;
-on this CPU-only machine "device" and "host" are both the CPU and the host copies are separate tensors
-(written for GPUs, untested on one here). Worked numbers: 03_zero/README.md.
+The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's (param: ZeRO-3's bit for
+bit). On a GPU the host tensors are page-locked (pinned) and the copies to the device asynchronous DMA; on
+this CPU-only machine "device" and "host" are both the CPU and the host tensors separate buffers (written
+for GPUs, untested on one here). Worked numbers: 03_zero/README.md.
 
-    torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 2 --offload optimizer
+    torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 3 --offload param
 
-New compared with zero.py: `OptimizerOffload`, and the two copies around the optimizer step in train.py
-(the flag and the numbers: layout.py).
+New compared with zero.py: `OptimizerOffload` with its two copies around the step in train.py, and
+`ParameterOffload`, ZeRO-3 with host shards (the flags and the numbers: layout.py).
 """
 from importlib import import_module
 
@@ -93,7 +97,9 @@ class ParameterOffload(zero.ZeRO):
         self.h2d_bytes = self.d2h_bytes = 0
 
     def _shard_on_device(self, unit):
-        """host -> device: a copy of the shard (pinned source: an asynchronous DMA on a GPU)."""
+        """host -> device: a copy of the shard (pinned source: an asynchronous DMA on a GPU). The host
+        shard is written next by AdamW, after backward's last reduce-scatter slice was copied to the host
+        (a synchronous copy, behind every copy issued before it on the stream)."""
         unit.device_copy = torch.empty(unit.shard.shape, dtype=unit.shard.dtype, device=self.device)
         unit.device_copy.copy_(unit.shard, non_blocking=True)
         self.h2d_bytes += unit.device_copy.numel() * unit.device_copy.element_size()

@@ -11,7 +11,8 @@ rank and where the collectives happen (formulas in zero.py and the folder's READ
 New in the step compared with 02: the gradient buffers are ZeRO's (`zero_gradients`), the reduction is a
 reduce-scatter (stage 1 after the last micro-batch, stages 2-3 from backward hooks), the norm is summed over
 the shards, AdamW steps 1/N of the states, and stages 1-2 all-gather the updated shards after it.
-With --offload optimizer (offload.py, ZeRO-Offload) that 1/N lives on the host and the step runs there.
+With --offload optimizer (offload.py, ZeRO-Offload) that 1/N lives on the host and the step runs there;
+with --offload param (ZeRO-3) the parameter shards and their gradients too (the copies: zero's hooks).
 """
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     if offload:
         offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host
     optimizer.step(grad_norm)                         # AdamW on this rank's 1/N of the states (fp32 masters;
-    if offload:                                       #   offload: on the host)
+    if offload:                                       #   offload: on the host; --offload param: the shards)
         offload.parameters_to_device()                # the updated shard, host -> device
     zero.gather_shards()                              # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
@@ -129,6 +130,8 @@ def run(args, config, dataset, grid):
             print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most (gathered units "
                   f"and shard copies, measured), {layout_mod.peak_gathered_bytes(zero.units) / 2**20:.2f} MiB "
                   f"by the formula")
+            print(f"  copies in the last step:     {zero.h2d_bytes / 2**20:.2f} MiB host -> device, "
+                  f"{zero.d2h_bytes / 2**20:.2f} MiB back (2A·eΨ/N and A·eΨ/N)")
     return records, zero, model, optimizer, meter, offload
 
 
