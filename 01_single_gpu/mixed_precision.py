@@ -120,10 +120,11 @@ class MixedPrecisionOptimizer:
                                             (a non-finite norm: every rank sees the same) skips it
     Everything else (param_groups, state, hooks) is AdamW's, so checkpoints store the fp32 masters.
     `hooks`: whether bf16-20's fp32 accumulation happens here (01) or in the caller's buffers (03's ZeRO).
+    `layout`: the layout of `params`, if not the flags' (03's ZeRO-Offload: fp32 host masters of bf16 shards).
     """
 
-    def __init__(self, params, args, hooks: bool = True):
-        self.layout, self.params = layout_of(args), [p for p in params if p.requires_grad]
+    def __init__(self, params, args, hooks: bool = True, layout: Layout | None = None):
+        self.layout, self.params = layout or layout_of(args), [p for p in params if p.requires_grad]
         self.masters = self.params if self.layout.master is None else [self._master(p) for p in self.params]
         self.optimizer = optim.make_optimizer(self.masters, args)
         self.scaler = (LossScaler(args.loss_scale_init, args.loss_scale_window) if args.dtype == "float16"

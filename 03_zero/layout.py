@@ -74,20 +74,28 @@ def check_offload(args):
     if args.device == "cuda" and args.on_nonfinite == "skip":
         raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
                          f"with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
-    if getattr(args, "dtype", "float32") == "float16" or getattr(args, "precision_layout", "autocast") != \
-            "autocast":
-        raise ValueError(f"--offload {args.offload} keeps its own host copy of the shards as AdamW's master: "
-                         f"use it with --dtype float32 or bfloat16 (autocast), not --dtype float16 or "
-                         f"--precision-layout bf16-16/bf16-20")
+    if getattr(args, "dtype", "float32") == "float16":
+        raise ValueError(f"--dtype float16's loss scaling is not wired through the step of --offload "
+                         f"{args.offload} (it unscales the optimizer's tensors): use --dtype float32 or bfloat16")
+    if args.offload == "param" and getattr(args, "precision_layout", "autocast") != "autocast":
+        raise ValueError("--offload param steps the host shards themselves, in the weights' dtype: use "
+                         "--precision-layout autocast, or --offload optimizer for bf16-16/bf16-20")
 
 
-def expected_offload_bytes(offload, stage, n, padded_bytes):
+def expected_offload_bytes(offload, stage, n, padded_bytes, layout=None, numel=0):
     """ZeRO-Offload's split of the ZeRO paper's numbers (expected_state_bytes), AdamW's 2 states:
     (device parameters, gradients, optimizer states), (host master, gradients, optimizer states).
-    "param" (ZeRO-3): the device keeps nothing between steps; the host the same 1/N as "optimizer"'s."""
-    params, grads, states = expected_state_bytes(stage, n, padded_bytes)
+    "param" (ZeRO-3): the device keeps nothing between steps; the host the same 1/N as "optimizer"'s.
+    A bf16 `layout`: the device keeps what the layout's ZeRO-s keeps but the optimizer's 12Ψ/N; the host
+    the fp32 master 4Ψ/N, its fp32 gradient 4Ψ/N and AdamW's 8Ψ/N (Ψ elements)."""
+    params, grads, _ = expected_state_bytes(stage, n, padded_bytes, layout, numel)
     device = (0, 0, 0) if offload == "param" else (params, grads, 0)
-    return device, (states // 2, states // 2, states)
+    if layout is None or layout.master is None:
+        master = padded_bytes // n
+    else:                                     # weights' bytes w, master m: optimizer bytes 3m per element
+        w, _, optimizer = layout.bytes_per_parameter()
+        master = padded_bytes // w * (optimizer // 3) // n
+    return device, (master, master, 2 * master)
 
 
 def peak_gathered_bytes(units):

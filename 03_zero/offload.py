@@ -33,25 +33,30 @@ zero = import_module("03_zero.zero")
 
 
 class OptimizerOffload:
-    """Host copies of ZeRO's `shards` (its pieces): the optimizer steps `master`; the device keeps `shards`."""
+    """Host copies of ZeRO's `shards` (its pieces): the optimizer steps `master`; the device keeps `shards`.
+    `master_dtype`: the masters' and their gradients' dtype, if not the shards' (bf16-16/20: fp32 masters
+    of the bf16 shards; the copies convert, as 01's MixedPrecisionOptimizer does on the device)."""
 
-    def __init__(self, shards):
+    def __init__(self, shards, master_dtype=None):
         self.shards = list(shards)                                     # on the compute device
         self.master, self.grads = [], []                               # on the host, same shapes (n,)
         for shard in self.shards:
             pin = shard.is_cuda          # page-locked memory: asynchronous copies (pinning needs CUDA)
-            master = torch.nn.Parameter(torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin))
+            dtype = master_dtype or shard.dtype
+            master = torch.nn.Parameter(torch.empty(shard.shape, dtype=dtype, pin_memory=pin))
             with torch.no_grad():
                 master.copy_(shard)
             master.__dict__.update(shard.__dict__)   # `decays` (the decay group), `segments` (checkpoints)
             self.master.append(master)
-            self.grads.append(torch.empty(shard.shape, dtype=shard.dtype, pin_memory=pin))
+            self.grads.append(torch.empty(shard.shape, dtype=dtype, pin_memory=pin))
 
     @torch.no_grad()
     def gradients_to_host(self):
-        """Each shard's .grad (n,), reduced and clipped on the device, into its host buffer."""
+        """Each shard's gradient (n,), reduced and clipped on the device, into its host buffer: .grad, or
+        bf16-20's fp32 `main_grad` (zero.py's finish_gradients)."""
         for shard, master, grad in zip(self.shards, self.master, self.grads):
-            grad.copy_(shard.grad, non_blocking=True)                  # device -> host (pinned: DMA)
+            source = getattr(shard, "main_grad", None)
+            grad.copy_(shard.grad if source is None else source, non_blocking=True)   # device -> host (DMA)
             master.grad = grad
         if self.shards and self.shards[0].is_cuda:
             torch.cuda.synchronize(self.shards[0].device)              # the CPU step reads them next
@@ -61,7 +66,7 @@ class OptimizerOffload:
         """The stepped master values into the device shards. Asynchronous on a GPU: the next
         gradients_to_host synchronizes before the host writes the masters again."""
         for shard, master in zip(self.shards, self.master):
-            shard.copy_(master, non_blocking=True)                     # host -> device
+            shard.copy_(master, non_blocking=True)                     # host -> device (bf16: rounded)
 
     def host_bytes(self, optimizer):
         """(master parameters, gradients, optimizer states) bytes on the host."""

@@ -92,9 +92,10 @@ def run(args, config, dataset, grid):
         zero = zero_mod.ZeRO(flat_unit.llama_units(model), grid.dp_group, args.zero_stage,
                              source=build.source(model, args),  # stage 3: only this rank's shard ever exists
                              grad_dtype=precision.accumulation)
-    offload = offload_mod.OptimizerOffload(zero.shards) if args.offload == "optimizer" else None
-    optimizer = mixed_precision.MixedPrecisionOptimizer(offload.master if offload else zero.shards, args,
-                                                        hooks=False)   # AdamW on the fp32 masters
+    offload = offload_mod.OptimizerOffload(zero.shards, precision.master) if args.offload == "optimizer" else None
+    optimizer = mixed_precision.MixedPrecisionOptimizer(   # AdamW on the fp32 masters (offloaded: the host's)
+        offload.master if offload else zero.shards, args, hooks=False,
+        layout=mixed_precision.LAYOUTS["fp32"] if offload and precision.master else None)
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
@@ -121,7 +122,8 @@ def run(args, config, dataset, grid):
                                                  sum(p.numel() for p in model.parameters()))
         if host_side:                 # ZeRO-Offload's split: the optimizer (and param: the shards) on the host
             expected, host = layout_mod.expected_offload_bytes(args.offload, args.zero_stage, grid.dp_size,
-                                                               zero.padded_bytes)
+                                                               zero.padded_bytes, precision,
+                                                               sum(p.numel() for p in model.parameters()))
         print("  ZeRO paper:                  " + mib_line(expected))
         if host_side:
             print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))

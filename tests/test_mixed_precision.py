@@ -131,22 +131,29 @@ def test_bf16_layouts_train_close_to_fp32(layout_states, layout):
 # ======================================================================================
 # every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
 # fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
+# (--offload optimizer: the fp32 masters, their gradients and AdamW's states on the host, the bf16 shards stay)
 ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
-             "bf16-20-zero3": ("bf16-20", 3)}
+             "bf16-20-zero3": ("bf16-20", 3), "bf16-16-zero2-offload": ("bf16-16", 2, "optimizer"),
+             "bf16-20-zero3-offload": ("bf16-20", 3, "optimizer")}
 
 
-def _zero_layout(layout_and_stage):
-    layout, stage = layout_and_stage
+def _zero_layout(run):
+    layout, stage, offload = (*run, "none")[:3]
     import torch.distributed as dist
     layout_mod = import_module("03_zero.layout")
-    records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(common.argv(
+    records, zero, model, optimizer, _, host = import_module("03_zero.train").main(common.argv(
         "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
-        steps=2, mbs=1, dtype="bfloat16"))
-    numel = sum(p.numel() for p in model.parameters())
-    return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model),
-                held=zero.model_state_bytes(model, optimizer),
-                expected=layout_mod.expected_state_bytes(stage, dist.get_world_size(), zero.padded_bytes,
-                                                       optimizer.layout, numel))
+        "--offload", offload, steps=2, mbs=1, dtype="bfloat16"))
+    numel, n = sum(p.numel() for p in model.parameters()), dist.get_world_size()
+    expected = layout_mod.expected_state_bytes(stage, n, zero.padded_bytes, mixed_precision.LAYOUTS[layout], numel)
+    if host:
+        expected = layout_mod.expected_offload_bytes(offload, stage, n, zero.padded_bytes,
+                                                     mixed_precision.LAYOUTS[layout], numel)
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model), expected=expected,
+                held=(zero.model_state_bytes(model, optimizer), host.host_bytes(optimizer)) if host else
+                zero.model_state_bytes(model, optimizer),
+                fp32_on_host=host is None or all(t.dtype == torch.float32 for t in [*host.master, *states]))
 
 
 @pytest.fixture(scope="module")
@@ -174,16 +181,19 @@ def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single
     of two, which commutes with rounding); two addends sum to the same correctly rounded number in any
     order (bf16-16: bf16, in autograd or in the reduce-scatter; bf16-20: fp32); AdamW is elementwise on
     the fp32 masters. --grad-clip 0 because the norms are summed in different orders (the ZeRO tests
-    bound that). The memory held per rank is zero.py's formula for the layout, exactly."""
+    bound that). The memory held per rank is layout.py's formula for the layout, exactly. Offloaded
+    (--offload optimizer): the same fp32 AdamW on the same values, converted by the copies instead of on
+    the device, so equal too; the device holds the layout's weights and gradients and no optimizer byte,
+    the host the fp32 master, gradient and AdamW states (layout.expected_offload_bytes)."""
     from harness import layout_results
-    layout, stage = ZERO_RUNS[run]
+    layout = ZERO_RUNS[run][0]
     results = layout_results(zero_dp2, run)
     losses, state = single_device_layouts[layout]
     for rank, got in enumerate(results):
         assert got["losses"] == losses, f"rank {rank}"
         for name, p in state.items():
             assert got["state"][name].dtype == torch.bfloat16 and torch.equal(got["state"][name], p), name
-        assert got["held"] == got["expected"], f"rank {rank}"
+        assert got["held"] == got["expected"] and got["fp32_on_host"], f"rank {rank}"
 
 
 def test_bf16_20_resumes_bitwise_from_its_fp32_masters(single_device_layouts, tmp_path):
