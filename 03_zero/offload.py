@@ -6,7 +6,8 @@ parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
 
     optimizer  after the reduce-scatter and the clip: the gradient shard to the host (`gradients_to_host`),
                AdamW there on the master shard, the updated shard back (`parameters_to_device`), eΨ/N
-               each way; device: the stage's parameters and gradients, no optimizer state
+               each way; device: the stage's parameters and gradients, no optimizer state (bf16-16/20:
+               the bf16 shard stays, the fp32 master goes; the copies convert)
     param      ZeRO-3's shard lives on the host and AdamW steps it there; each unit is copied to the
                device just before its all-gather and freed with it (2A·eΨ/N host -> device), each
                reduce-scatter's slice added into the host's gradient (A·eΨ/N back); the device keeps
