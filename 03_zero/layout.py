@@ -8,7 +8,7 @@ these numbers. Per rank, Ψ padded elements of e bytes, N ranks, AdamW's 2 state
     stage 2   parameters eΨ      gradients eΨ/N    optimizer states 2eΨ/N
     stage 3   parameters eΨ/N    gradients eΨ/N    optimizer states 2eΨ/N
     offload   optimizer: the device keeps the stage's parameters and gradients, no optimizer state;
-              param (ZeRO-3): nothing between steps (`peak_gathered_bytes` during one); the host the
+              param (ZeRO-3): nothing between steps (`expected_peak_device_bytes` during one); the host the
               master or shard eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
 
 `check_zero` and `check_offload` raise every rule's error before any process group exists.
@@ -72,11 +72,12 @@ def check_offload(args):
         raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
                          "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
     if args.device == "cuda" and args.on_nonfinite == "skip":
-        raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the host "
-                         f"with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
+        raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the "
+                         f"host with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
     if getattr(args, "dtype", "float32") == "float16":
         raise ValueError(f"--dtype float16's loss scaling is not wired through the step of --offload "
-                         f"{args.offload} (it unscales the optimizer's tensors): use --dtype float32 or bfloat16")
+                         f"{args.offload} (it unscales the optimizer's tensors): use --dtype float32 or "
+                         f"bfloat16")
     if args.offload == "param" and getattr(args, "precision_layout", "autocast") != "autocast":
         raise ValueError("--offload param steps the host shards themselves, in the weights' dtype: use "
                          "--precision-layout autocast, or --offload optimizer for bf16-16/bf16-20")
@@ -98,7 +99,7 @@ def expected_offload_bytes(offload, stage, n, padded_bytes, layout=None, numel=0
     return device, (master, master, 2 * master)
 
 
-def peak_gathered_bytes(units):
+def expected_peak_device_bytes(units):
     """--offload param: the most the device holds of the model during a step, e·max over neighbouring
     units k, k+1 of (U_k + U_k+1 + max(U_k, U_k+1)/N): the unit running and the one prefetched (forward:
     k+1, backward: k), gathered, and the prefetched one's shard copy, until its all-gather has read it."""

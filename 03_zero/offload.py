@@ -12,7 +12,7 @@ parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
                device just before its all-gather and freed with it (2A·eΨ/N host -> device), each
                reduce-scatter's slice added into the host's gradient (A·eΨ/N back); the device keeps
                nothing between steps, at most two neighbouring units gathered and one shard copy during
-               one (layout.peak_gathered_bytes)
+               one (layout.expected_peak_device_bytes)
     host       master or shard eΨ/N + gradient eΨ/N + AdamW's states 2eΨ/N, in both modes
 
 The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's (param: ZeRO-3's bit for
@@ -135,8 +135,8 @@ class ParameterOffload(zero.ZeRO):
 
     def host_bytes(self, optimizer):
         """(parameter shards, gradient shards, optimizer states) bytes on the host."""
-        return (memory.held_bytes(u.shard for u in self.units), memory.held_bytes(u.shard_grad for u in self.units),
-                memory.optimizer_state_bytes(optimizer))
+        return (memory.held_bytes(u.shard for u in self.units),
+                memory.held_bytes(u.shard_grad for u in self.units), memory.optimizer_state_bytes(optimizer))
 
 
 def host_copy(tensor):

@@ -86,13 +86,14 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
     precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
-    if args.offload == "param":                             # ZeRO-3 with the shards on the host
-        zero = offload_mod.ParameterOffload(flat_unit.llama_units(model), grid.dp_group, build.source(model, args))
+    units, source = flat_unit.llama_units(model), build.source(model, args)   # stage 3: only this rank's
+    if args.offload == "param":                                                #   shard ever exists
+        zero = offload_mod.ParameterOffload(units, grid.dp_group, source)      # ZeRO-3, shards on the host
     else:
-        zero = zero_mod.ZeRO(flat_unit.llama_units(model), grid.dp_group, args.zero_stage,
-                             source=build.source(model, args),  # stage 3: only this rank's shard ever exists
+        zero = zero_mod.ZeRO(units, grid.dp_group, args.zero_stage, source=source,
                              grad_dtype=precision.accumulation)
-    offload = offload_mod.OptimizerOffload(zero.shards, precision.master) if args.offload == "optimizer" else None
+    offload = (offload_mod.OptimizerOffload(zero.shards, precision.master) if args.offload == "optimizer"
+               else None)
     optimizer = mixed_precision.MixedPrecisionOptimizer(   # AdamW on the fp32 masters (offloaded: the host's)
         offload.master if offload else zero.shards, args, hooks=False,
         layout=mixed_precision.LAYOUTS["fp32"] if offload and precision.master else None)
@@ -120,7 +121,7 @@ def run(args, config, dataset, grid):
                            f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
         expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
                                                  sum(p.numel() for p in model.parameters()))
-        if host_side:                 # ZeRO-Offload's split: the optimizer (and param: the shards) on the host
+        if host_side:                 # ZeRO-Offload's split: the optimizer (param: the shards too) on the host
             expected, host = layout_mod.expected_offload_bytes(args.offload, args.zero_stage, grid.dp_size,
                                                                zero.padded_bytes, precision,
                                                                sum(p.numel() for p in model.parameters()))
@@ -129,9 +130,9 @@ def run(args, config, dataset, grid):
             print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))
             print("  ZeRO-Offload paper, host:    " + mib_line(host))
         if args.offload == "param":
-            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most (gathered units "
-                  f"and shard copies, measured), {layout_mod.peak_gathered_bytes(zero.units) / 2**20:.2f} MiB "
-                  f"by the formula")
+            formula = layout_mod.expected_peak_device_bytes(zero.units)
+            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most (gathered "
+                  f"units and shard copies, measured), {formula / 2**20:.2f} MiB by the formula")
             print(f"  copies in the last step:     {zero.h2d_bytes / 2**20:.2f} MiB host -> device, "
                   f"{zero.d2h_bytes / 2**20:.2f} MiB back (2A·eΨ/N and A·eΨ/N)")
     return records, zero, model, optimizer, meter, offload

@@ -131,7 +131,7 @@ def test_bf16_layouts_train_close_to_fp32(layout_states, layout):
 # ======================================================================================
 # every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
 # fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
-# (--offload optimizer: the fp32 masters, their gradients and AdamW's states on the host, the bf16 shards stay)
+# (--offload optimizer: the fp32 masters, their gradients and AdamW's states on the host; bf16 shards stay)
 ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
              "bf16-20-zero3": ("bf16-20", 3), "bf16-16-zero2-offload": ("bf16-16", 2, "optimizer"),
              "bf16-20-zero3-offload": ("bf16-20", 3, "optimizer")}
@@ -145,11 +145,11 @@ def _zero_layout(run):
         "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
         "--offload", offload, steps=2, mbs=1, dtype="bfloat16"))
     numel, n = sum(p.numel() for p in model.parameters()), dist.get_world_size()
-    expected = layout_mod.expected_state_bytes(stage, n, zero.padded_bytes, mixed_precision.LAYOUTS[layout], numel)
+    precision = mixed_precision.LAYOUTS[layout]
+    expected = layout_mod.expected_state_bytes(stage, n, zero.padded_bytes, precision, numel)
     if host:
-        expected = layout_mod.expected_offload_bytes(offload, stage, n, zero.padded_bytes,
-                                                     mixed_precision.LAYOUTS[layout], numel)
-    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+        expected = layout_mod.expected_offload_bytes(offload, stage, n, zero.padded_bytes, precision, numel)
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model), expected=expected,
                 held=(zero.model_state_bytes(model, optimizer), host.host_bytes(optimizer)) if host else
                 zero.model_state_bytes(model, optimizer),

@@ -138,8 +138,10 @@ def dp2_runs(tmp_path_factory):
     the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it), so 01
     with full recompute is every layout's reference."""
     checkpoints = str(tmp_path_factory.mktemp("param_offload"))
-    layouts = {"zero3-recompute": ("recompute", 3), **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES},
-               "offload-param": ("param", ()), "offload-param-save": ("param", ("--checkpoint-dir", checkpoints)),
+    layouts = {"zero3-recompute": ("recompute", 3),
+               **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES},
+               "offload-param": ("param", ()),
+               "offload-param-save": ("param", ("--checkpoint-dir", checkpoints)),
                "offload-param-resume": ("param", ("--checkpoint-dir", checkpoints, "--resume"))}
     return run_layouts(_dp2_layout, layouts, 2), single_device(DP2_STEPS, 2, 1, extra=("--recompute", "full"))
 
@@ -178,7 +180,8 @@ def _offload_stage(stage, steps, grad_acc):
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
                 held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
-                expected=layout_mod.expected_offload_bytes("optimizer", stage, world_size(), zero.padded_bytes),
+                expected=layout_mod.expected_offload_bytes("optimizer", stage, world_size(),
+                                                           zero.padded_bytes),
                 steps_masters=len(stepped) == len(offload.master) and
                               {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
                 disjoint=not device & storages([*offload.master, *offload.grads, *states]),
@@ -212,22 +215,23 @@ def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_devi
 
 
 def _param_offload(steps, extra):
-    """ZeRO-3 with --offload param on this rank: its numbers, what the device and the host hold, the copies."""
+    """ZeRO-3 with --offload param on this rank: its numbers, what device and host hold, the copies."""
     records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(
         common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", 3, "--offload", "param", steps=steps,
                     mbs=1, grad_acc=1))
     host = [*(u.shard for u in zero.units), *(u.shard_grad for u in zero.units),
-            *(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim())]
+            *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())]
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     events = list(zero.events)
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 held=zero.model_state_bytes(model, optimizer), host=zero.host_bytes(optimizer),
                 expected=layout_mod.expected_offload_bytes("param", 3, world_size(), zero.padded_bytes),
-                peak=zero.peak_device_bytes, peak_formula=layout_mod.peak_gathered_bytes(zero.units),
+                peak=zero.peak_device_bytes, peak_formula=layout_mod.expected_peak_device_bytes(zero.units),
                 h2d=zero.h2d_bytes, d2h=zero.d2h_bytes, padded_bytes=zero.padded_bytes, events=events,
                 steps_host_shards={p.untyped_storage().data_ptr() for p in stepped} ==
                                   {u.shard.untyped_storage().data_ptr() for u in zero.units},
-                on_host=all(t.device.type == "cpu" and t.is_pinned() == (zero.device.type == "cuda") for t in host),
+                on_host=all(t.device.type == "cpu" and t.is_pinned() == (zero.device.type == "cuda")
+                            for t in host),
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()})
 
 
@@ -238,7 +242,7 @@ def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_ste
     Per rank, exact: between steps the device holds no parameter, gradient or optimizer byte; the host the
     parameter shard Ψ/N, its gradient Ψ/N and AdamW's 2Ψ/N (layout.expected_offload_bytes), all CPU tensors
     (pinned on a GPU); AdamW steps the host shards themselves. During the step the device's peak of
-    gathered units and shard copies is layout.peak_gathered_bytes (two neighbouring units and the
+    gathered units and shard copies is layout.expected_peak_device_bytes (two neighbouring units and the
     prefetched one's copy); each all-gather is preceded by its unit's host -> device copy, 2Ψ/N bytes per
     micro-batch (forward and backward gathers) and Ψ/N back. A run saving a checkpoint after step 1, resumed,
     gives step 2's loss and the final parameters of the uninterrupted run exactly: the checkpoint holds the
