@@ -71,10 +71,8 @@ class OptimizerOffload:
 
     def host_bytes(self, optimizer):
         """(master parameters, gradients, optimizer states) bytes on the host."""
-        nbytes = sum(t.numel() * t.element_size() for t in self.master)
-        states = sum(v.numel() * v.element_size() for state in optimizer.state.values()
-                     for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-        return nbytes, nbytes, states
+        nbytes = memory.tensor_bytes(self.master)                      # the gradients: the same shapes, dtype
+        return nbytes, nbytes, memory.optimizer_state_bytes(optimizer)
 
 
 class ParameterOffload(zero.ZeRO):
@@ -123,7 +121,7 @@ class ParameterOffload(zero.ZeRO):
         unit.device_copy = None                      # the gather has read it
 
     def _retire(self, keep):
-        for _, unit, flat in self.in_flight[:len(self.in_flight) - keep]:
+        for _, unit, flat in self.in_flight[:max(0, len(self.in_flight) - keep)]:   # those retired now
             self.d2h_bytes += (unit.hi - unit.lo) * flat.element_size()
             self.events.append(("to_host", unit.index))
         super()._retire(keep)
