@@ -271,9 +271,10 @@ def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_ste
             assert (resumed["state"][name] == value).all(), f"resumed rank {rank} {name}"
 
 
-def _zero1_against_adamw_rank():
-    """2 ranks, each with 2 of 4 sequences: ZeRO-1 over a float64 tiny Llama (odd sizes: the units pad)
-    for 2 clipped AdamW steps, against 01's AdamW on all 4 sequences on this rank."""
+def _zero_against_adamw_rank(offload_param=False):
+    """2 ranks, each with 2 of 4 sequences: ZeRO-1 (or ZeRO-3 with --offload param) over a float64 tiny
+    Llama (odd sizes: the units pad) for 2 clipped AdamW steps, against 01's AdamW on all 4 sequences on
+    this rank."""
     import copy
     from types import SimpleNamespace
 
@@ -288,7 +289,10 @@ def _zero1_against_adamw_rank():
         p.global_name = name                     # as 01's build_model names them (checkpoints need it)
     ids = torch.randint(0, config.vocab_size, (4, 17))
     mine = ids.chunk(dist.get_world_size())[dist.get_rank()]                      # (2, 17)
-    zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
+    if offload_param:
+        zero = import_module("03_zero.offload").ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
+    else:
+        zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1)
     optimizer = optim.make_optimizer(zero.shards, args)
     dense_optimizer = optim.make_optimizer(dense.parameters(), args)
@@ -299,14 +303,15 @@ def _zero1_against_adamw_rank():
         zero.finish_gradients()                   # reduce-scatter: this rank's shard of the mean gradient
         norm = zero.clip_gradients(0.5)
         optimizer.step()
-        zero.gather_shards()                      # all-gather: every rank's updated shard, everywhere
+        zero.gather_shards()                      # all-gather: every rank's updated shard (ZeRO-3: none)
         dense_optimizer.zero_grad(set_to_none=True)
         dense(ids[:, :-1], labels=ids[:, 1:]).backward()
         dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
         torch.testing.assert_close(norm, dense_norm, rtol=1e-12, atol=0)
         dense_optimizer.step()
-    for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
+    with zero.gathered():                         # ZeRO-3: the host shards, gathered on the device
+        for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
     return True
 
 
@@ -315,7 +320,14 @@ def test_zero1_step_equals_adamw_on_the_whole_batch():
     all-gather the shards) gives every rank the parameters one device's step on the whole batch gives.
     float64: the sums of the reduce-scatter and of the norm run in other orders, ~1e-16 relative; AdamW's
     m/(√v + ε) can blow that up only for gradients near zero, still far below 1e-12."""
-    assert run_ranks(_zero1_against_adamw_rank, 2, timeout=120) == [True, True]
+    assert run_ranks(_zero_against_adamw_rank, 2, timeout=120) == [True, True]
+
+
+def test_offload_param_step_equals_adamw_on_the_whole_batch_in_float64():
+    """The same for ZeRO-3 with its shards on the host (offload.ParameterOffload): each unit copied to the
+    device and all-gathered around its use, the gradient slices summed into the host shards, AdamW on
+    them there; the same float64 tolerance and reasons."""
+    assert run_ranks(_zero_against_adamw_rank, 2, args=(True,), timeout=120) == [True, True]
 
 
 def test_bad_zero_layouts_fail_before_any_process_group(monkeypatch, capsys):
