@@ -1,7 +1,7 @@
 """ZeRO-Offload: the optimizer states and master shard in host memory (`--offload optimizer`), and with
 ZeRO-3 the parameter shards and their gradients too (`--offload param`).
 
-Playbook §2.2 "ZeRO"; Ren et al. 2021, ZeRO-Offload §4; Rajbhandari et al. 2021, ZeRO-Infinity §5 (the
+Playbook §2.2 "ZeRO"; Ren et al. 2021, ZeRO-Offload §4; Rajbhandari et al. 2021, ZeRO-Infinity (the
 parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
 
     optimizer  after the reduce-scatter and the clip: the gradient shard to the host (`gradients_to_host`),
