@@ -68,9 +68,15 @@ STEPS, GRAD_ACC, N = 2, 2, 4
 
 @pytest.fixture(scope="module")
 def dp4_stages():
-    """One 4-rank spawn runs stages 1, 2, 3 in turn (a spawn costs seconds; a stage that raises on the
-    ranks is named, and the next ones still run unless a rank may be blocked in a collective with it)."""
-    return run_layouts(_zero_stage, {f"zero{stage}": stage for stage in STAGES}, N, args=(STEPS, GRAD_ACC))
+    """One 4-rank spawn runs stages 1, 2, 3 and ZeRO-3 with --offload param in turn (a spawn costs seconds;
+    a layout that raises on the ranks is named, and the next ones still run unless a rank may be blocked
+    in a collective with it)."""
+    layouts = {**{f"zero{stage}": stage for stage in STAGES}, "offload-param": "param"}
+    return run_layouts(_dp4_layout, layouts, N, args=(STEPS, GRAD_ACC))
+
+
+def _dp4_layout(layout, steps, grad_acc):
+    return _param_offload(steps, (), grad_acc) if layout == "param" else _zero_stage(layout, steps, grad_acc)
 
 
 @pytest.fixture(scope="module")
@@ -214,11 +220,11 @@ def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_devi
         assert got["adam_steps"] == {float(DP2_STEPS)}, what
 
 
-def _param_offload(steps, extra):
+def _param_offload(steps, extra, grad_acc=1):
     """ZeRO-3 with --offload param on this rank: its numbers, what device and host hold, the copies."""
     records, zero, model, optimizer, _, _ = import_module("03_zero.train").main(
         common.argv(*ODD, *extra, "--dp", world_size(), "--zero-stage", 3, "--offload", "param", steps=steps,
-                    mbs=1, grad_acc=1))
+                    mbs=1, grad_acc=grad_acc))
     host = [*(u.shard for u in zero.units), *(u.shard_grad for u in zero.units),
             *(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())]
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
@@ -235,36 +241,45 @@ def _param_offload(steps, extra):
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()})
 
 
-def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_steps_and_resumes(dp2_runs):
-    """ZeRO-3 with --offload param, dp 2 × mbs 1, == ZeRO-3 without offload bit for bit (the same sums and
-    AdamW on the same fp32 values, in host tensors) and == 01 with mbs 2 (tolerances as above).
+def check_param_offload(results, plain, reference, n, grad_acc):
+    """--offload param's numbers on every rank against ZeRO-3's (bitwise) and 01's, and its formulas."""
+    check_against_single(results, 3, reference)
+    for rank, (got, zero3) in enumerate(zip(results, plain)):
+        what = f"ZeRO-3 --offload param, dp {n}, rank {rank}"
+        assert got["losses"] == zero3["losses"] and got["norms"] == zero3["norms"], what
+        for name, value in zero3["state"].items():
+            assert (got["state"][name] == value).all(), f"{what} {name}"
+        device, host = got["expected"]
+        shard = got["padded_bytes"] // n
+        assert got["held"] == device == (0, 0, 0) and got["host"] == host == (shard, shard, 2 * shard), what
+        assert got["steps_host_shards"] and got["on_host"], what
+        assert got["peak"] == got["peak_formula"], what
+        assert got["h2d"] == 2 * grad_acc * shard and got["d2h"] == grad_acc * shard, what   # the last step's
+        events = got["events"]
+        gathers = [i for i, (kind, _) in enumerate(events) if kind == "gather_issued"]
+        assert gathers and all(events[i - 1] == ("to_device", events[i][1]) for i in gathers), what
+
+
+def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_steps_and_resumes(
+        dp2_runs, dp4_stages, dp4_reference):
+    """ZeRO-3 with --offload param, dp 2 × mbs 1 and dp 4 × mbs 1 × grad_acc 2 (padded units), == ZeRO-3
+    without offload bit for bit (the same sums and AdamW on the same fp32 values, in host tensors) and ==
+    01 with the same global batch (tolerances as above).
 
     Per rank, exact: between steps the device holds no parameter, gradient or optimizer byte; the host the
     parameter shard Ψ/N, its gradient Ψ/N and AdamW's 2Ψ/N (layout.expected_offload_bytes), all CPU tensors
     (pinned on a GPU); AdamW steps the host shards themselves. During the step the device's peak of
     gathered units and shard copies is layout.expected_peak_device_bytes (two neighbouring units and the
-    prefetched one's copy); each all-gather is preceded by its unit's host -> device copy, 2Ψ/N bytes per
-    micro-batch (forward and backward gathers) and Ψ/N back. A run saving a checkpoint after step 1, resumed,
-    gives step 2's loss and the final parameters of the uninterrupted run exactly: the checkpoint holds the
-    host shards' values and AdamW's host states.
+    prefetched one's copy); each all-gather is preceded by its unit's host -> device copy, 2A·Ψ/N bytes
+    per step for A micro-batches (forward and backward gathers) and A·Ψ/N back. A dp 2 run saving a
+    checkpoint after step 1, resumed, gives step 2's loss and the final parameters of the uninterrupted
+    run exactly: the checkpoint holds the host shards' values and AdamW's host states.
     """
     outcomes, reference = dp2_runs
     results = layout_results(outcomes, "offload-param")
-    check_against_single(results, 3, reference)
-    for rank, (got, plain) in enumerate(zip(results, layout_results(outcomes, "zero3-recompute"))):
-        what = f"ZeRO-3 --offload param, rank {rank}"
-        assert got["losses"] == plain["losses"] and got["norms"] == plain["norms"], what
-        for name, value in plain["state"].items():
-            assert (got["state"][name] == value).all(), f"{what} {name}"
-        device, host = got["expected"]
-        shard = got["padded_bytes"] // 2
-        assert got["held"] == device == (0, 0, 0) and got["host"] == host == (shard, shard, 2 * shard), what
-        assert got["steps_host_shards"] and got["on_host"], what
-        assert got["peak"] == got["peak_formula"], what
-        assert got["h2d"] == 2 * shard and got["d2h"] == shard, what      # the last step's, 1 micro-batch
-        events = got["events"]
-        gathers = [i for i, (kind, _) in enumerate(events) if kind == "gather_issued"]
-        assert gathers and all(events[i - 1] == ("to_device", events[i][1]) for i in gathers), what
+    check_param_offload(results, layout_results(outcomes, "zero3-recompute"), reference, 2, 1)
+    check_param_offload(layout_results(dp4_stages, "offload-param"), layout_results(dp4_stages, "zero3"),
+                        dp4_reference, N, GRAD_ACC)
     for rank, (whole, resumed) in enumerate(zip(results, layout_results(outcomes, "offload-param-resume"))):
         assert resumed["losses"] == whole["losses"][1:], f"rank {rank}"
         for name, value in whole["state"].items():
