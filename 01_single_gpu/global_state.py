@@ -18,7 +18,7 @@ to write a Hugging Face directory from a checkpoint of any layout.
     python 01_single_gpu/train.py --checkpoint-dir ckpt --steps 2 && \\
     torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2 --mbs 4 --checkpoint-dir ckpt --resume --steps 4
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import import_module
 
 import torch
@@ -64,12 +64,13 @@ def segments_of(t) -> list:
 def flat_segments(params, offsets, lo: int, hi: int) -> list:
     """The segments of the range [lo, hi) of a flat buffer holding `params` at `offsets` (ZeRO's units)."""
     segments = []
-    for p, a, b in zip(params, offsets, offsets[1:]):
-        start, stop = max(a, lo), min(b, hi)
-        if start < stop:
-            block = materialize.block_of(p)
-            segments.append(Segment(global_name(p), tuple(block.shape), block.dim, block.start, block.stop,
-                                    start - a, stop - a, start - lo))
+    for p, a in zip(params, offsets):
+        for s in segments_of(p):                      # s: p's elements [a + s.offset, a + s.offset + size)
+            first = a + s.offset
+            start, stop = max(first, lo), min(first + s.flat_stop - s.flat_start, hi)
+            if start < stop:
+                segments.append(replace(s, flat_start=s.flat_start + start - first,
+                                        flat_stop=s.flat_start + stop - first, offset=start - lo))
     return segments
 
 

@@ -97,8 +97,15 @@ class Source:
         self.initializer, self.dtype, self.device = initializer, dtype, device
 
     def values(self, p) -> torch.Tensor:
-        """This rank's values of meta parameter p (its block), on the device, in the dtype."""
-        return self.initializer.values(self.names[id(p)], block_of(p), self.dtype).to(self.device)
+        """This rank's values of meta parameter p (its block), on the device, in the dtype. A parameter
+        that stacks several global tensors (07's experts) lists them as `segments` (global_state.py)."""
+        if not hasattr(p, "segments"):
+            return self.initializer.values(self.names[id(p)], block_of(p), self.dtype).to(self.device)
+        flat = torch.empty(p.numel(), dtype=self.dtype)
+        for s in p.segments:                          # one global tensor at a time, as for any parameter
+            values = self.initializer.values(s.name, Block(s.shape, s.dim, s.start, s.stop), self.dtype)
+            flat[s.offset:s.offset + s.flat_stop - s.flat_start] = values.flatten()[s.flat_start:s.flat_stop]
+        return flat.view(p.shape).to(self.device)
 
 
 def swap_parameters(root: nn.Module, new: dict):

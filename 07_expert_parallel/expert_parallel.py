@@ -97,11 +97,11 @@ def check_expert_parallel(num_experts: int, ep: int, dp: int):
 
 
 def shard_experts(block, ep_rank: int, ep_size: int, ep_group):
-    """Keep experts [ep_rank·E/ep, (ep_rank+1)·E/ep) of one MoE block, under their global names, and
-    route its rows by all-to-all over `ep_group`. The full, identically seeded block must exist."""
+    """Keep experts [ep_rank·E/ep, (ep_rank+1)·E/ep) of one MoE block, the slice (E/ep, …) of its stacks,
+    under their global names, and route its rows by all-to-all over `ep_group`. The full, identically
+    seeded block must exist (on meta in the trainers: only the slice is ever materialised)."""
     per_rank = block.num_experts // ep_size
-    mine = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
-    block.experts = torch.nn.ModuleDict({str(e): block.experts[str(e)] for e in mine})
+    block.experts.keep(ep_rank * per_rank, (ep_rank + 1) * per_rank)      # (E/ep, F, C), (E/ep, C, F)
     block.experts_fn = functools.partial(expert_parallel_experts, group=ep_group)
     return block
 

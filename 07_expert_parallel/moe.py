@@ -32,29 +32,84 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
 
 
-def run_experts(experts, rows, counts):
-    """rows (n, C) grouped by expert, counts[e] rows for the e-th expert of the ModuleDict -> (n, C).
+class Experts(nn.Module):
+    """E_local SwiGLU experts (01's MLP each) stored stacked: one parameter per projection, gate_proj and
+    up_proj (E_local, F, C), down_proj (E_local, C, F), so the grouped matmuls read the weights as they are
+    (torchtitan's GroupedExperts): stacking E nn.Linear weights per call would be a copy autograd saves.
+    Slice i is global expert `first + i`; checkpoints and seeding keep 01's per-expert names through each
+    parameter's `segments` (01's global_state.py), `model.layers.{l}.mlp.experts.{e}.gate_proj.weight`."""
 
-    Grouped, not a loop of small matmuls: the experts' weights are stacked, (E, F, C) and (E, C, F), and
-    the groups padded to the largest, (E, M, C), so each projection is one batched matmul (padding rows
-    are zeros: they add nothing to the outputs kept or to any gradient). Every expert's weights enter the
-    stack, even with zero rows, so each has a (possibly zero) gradient on every rank and the gradient
-    all-reduces line up. The stacks are copies made per call (the weights keep 01's per-expert names).
+    def __init__(self, config, num_experts: int):
+        super().__init__()
+        C, F = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, F, C))     # (E_local, F, C)
+        self.up_proj = nn.Parameter(torch.empty(num_experts, F, C))       # (E_local, F, C)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, C, F))     # (E_local, C, F)
+        self.act_fn = modeling.silu_mul
+        self.prefix, self.first = None, 0    # apply_moe names them; expert parallelism keeps a slice
+        for p in self.parameters():          # nn.Linear's default, U(±1/√fan_in) (a block built by hand)
+            nn.init.uniform_(p, -p.shape[-1] ** -0.5, p.shape[-1] ** -0.5)
+
+    def __len__(self):
+        return self.gate_proj.shape[0]
+
+    # state_dict() and load_state_dict() speak 01's per-expert names, `{e}.gate_proj.weight` (F, C) …:
+    # the same keys as an nn.ModuleDict of MLPs (Mixtral's layout), whatever slice a rank holds.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for proj, p in self._parameters.items():
+            for i in range(len(p)):
+                destination[f"{prefix}{self.first + i}.{proj}.weight"] = (p if keep_vars else p.detach())[i]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for proj, p in self._parameters.items():
+            for i in range(len(p)):
+                key = f"{prefix}{self.first + i}.{proj}.weight"
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                with torch.no_grad():
+                    p[i].copy_(state_dict[key])
+
+    def name_experts(self, prefix: str, first: int = 0):
+        """Slice i of each stack is expert `first + i` of 01's MLP, under `{prefix}.{e}.{proj}.weight`."""
+        self.prefix, self.first = prefix, first
+        for proj, p in self.named_parameters():
+            size = p[0].numel()
+            p.segments = [global_state.Segment(f"{prefix}.{first + i}.{proj}.weight", tuple(p.shape[1:]), 0, 0,
+                                               p.shape[1], 0, size, i * size) for i in range(len(p))]
+
+    def keep(self, start: int, stop: int):
+        """Keep experts [start, stop) of the stacks (EP: this rank's slice); meta stays meta."""
+        for proj, p in list(self.named_parameters()):
+            setattr(self, proj, nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad))
+        if self.prefix is not None:
+            self.name_experts(self.prefix, self.first + start)
+        return self
+
+
+def run_experts(experts, rows, counts):
+    """rows (n, C) grouped by expert, counts[e] rows for the e-th expert of `experts` (Experts) -> (n, C).
+
+    Grouped, not a loop of small matmuls: the groups are padded to the largest, (E, M, C), so each
+    projection is one batched matmul with the stacked weights (E, F, C) and (E, C, F), read in place
+    (padding rows are zeros: they add nothing to the outputs kept or to any gradient). Every expert's
+    weights enter the matmuls, even with zero rows, so each has a (possibly zero) gradient on every rank
+    and the gradient all-reduces line up.
     """
     E, (n, C) = len(counts), rows.shape
     expert_of_row = torch.arange(E, device=rows.device).repeat_interleave(counts)      # (n,)
     slot = torch.arange(n, device=rows.device) - (counts.cumsum(0) - counts)[expert_of_row]   # (n,) in group
     M = int(counts.max()) if n else 0                                                  # the largest group
     padded = rows.new_zeros(E, M, C).index_put((expert_of_row, slot), rows)           # (E, M, C)
-    mlps = list(experts.values())
-    gate, up, down = (torch.stack([getattr(mlp, name).weight for mlp in mlps])      # (E, F, C) ×2, (E, C, F)
-                      for name in ("gate_proj", "up_proj", "down_proj"))
-    hidden = mlps[0].act_fn(padded @ gate.transpose(1, 2), padded @ up.transpose(1, 2))   # (E, M, F)
-    return (hidden @ down.transpose(1, 2))[expert_of_row, slot]                        # (E, M, C) -> (n, C)
+    hidden = experts.act_fn(padded @ experts.gate_proj.transpose(1, 2),               # (E, M, F)
+                            padded @ experts.up_proj.transpose(1, 2))
+    return (hidden @ experts.down_proj.transpose(1, 2))[expert_of_row, slot]          # (E, M, C) -> (n, C)
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -132,8 +187,7 @@ class MoE(nn.Module):
         self.top_k, self.num_experts, self.aux_loss_coef = top_k, num_experts, aux_loss_coef
         self.capacity_factor, self.router_z_loss = capacity_factor, router_z_loss
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)    # the router
-        # A dict keyed by the global expert index: under EP a rank keeps a few, under their global names.
-        self.experts = nn.ModuleDict({str(e): modeling.MLP(config) for e in range(num_experts)})
+        self.experts = Experts(config, num_experts)     # stacked; under EP a rank keeps a slice of them
         # DeepSeekMoE's shared experts: N SwiGLUs every token passes through, as one MLP of N·F (the sum of
         # N SwiGLUs is one SwiGLU over their concatenated intermediates). Dense: replicated, averaged over dp.
         self.shared_experts = (modeling.MLP(dataclasses.replace(
@@ -144,11 +198,11 @@ class MoE(nn.Module):
 
     @property
     def act_fn(self):  # kernels/patch.py assigns layers[i].mlp.act_fn: it is every expert's SwiGLU
-        return next(iter(self.experts.values())).act_fn
+        return self.experts.act_fn
 
     @act_fn.setter
     def act_fn(self, fn):
-        for expert in [*self.experts.values(), *([self.shared_experts] if self.shared_experts else [])]:
+        for expert in [self.experts, *([self.shared_experts] if self.shared_experts else [])]:
             expert.act_fn = fn
 
     def capacity(self, T: int) -> int:
@@ -229,17 +283,18 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
         weight = dense.gate_proj.weight
         with torch.device("meta"):
             block = MoE(config, num_experts, top_k, aux_loss_coef, **options)
-        for name, p in block.named_parameters():
-            p.global_name = f"model.layers.{index}.mlp.{name}"
         if not weight.is_meta:
             block = block.to_empty(device=weight.device).to(weight.dtype)
-            with torch.no_grad():
-                for name, p in block.named_parameters():
-                    if upcycle and name.startswith("experts."):
-                        p.copy_(dense.get_parameter(name.split(".", 2)[2]))
-                    else:
-                        p.copy_(initializer.values(f"model.layers.{index}.mlp.{name}", materialize.block_of(p),
-                                                   p.dtype))
+        for name, p in block.named_parameters():
+            p.global_name = f"model.layers.{index}.mlp.{name}"
+        block.experts.name_experts(f"model.layers.{index}.mlp.experts")   # per-expert names: `segments`
+        if not weight.is_meta:
+            source = materialize.Source(block, initializer, weight.dtype, weight.device)
+            for name, p in block.named_parameters():
+                if upcycle and name.startswith("experts."):                  # (F, C) -> (E, F, C)
+                    p.copy_(dense.get_parameter(f"{name.split('.')[1]}.weight").expand_as(p))
+                else:
+                    p.copy_(source.values(p))
         block.act_fn = dense.act_fn
         layer.mlp = block
     return moe_blocks(model)

@@ -57,6 +57,15 @@ def dense_block(seed=0):
     return block
 
 
+def expert_mlp(block, e):
+    """Global expert e of a block as 01's MLP, read from the block's state_dict under 01's per-expert
+    names (`{e}.gate_proj.weight` …: the stacks' slices)."""
+    mlp = modeling.MLP(LAYER).to(block.gate.weight.dtype)
+    mine = {k.split(".", 1)[1]: v for k, v in block.experts.state_dict().items() if k.split(".")[0] == str(e)}
+    mlp.load_state_dict(mine)
+    return mlp
+
+
 def layer_inputs(world, T=5):
     """Rank r's input (r+1, T, C) with feature 0 = 5, and an output gradient, the same on every rank."""
     g = torch.Generator().manual_seed(7)
@@ -77,7 +86,7 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     expected = torch.zeros_like(x)
     for b, t in ((b, t) for b in range(x.shape[0]) for t in range(x.shape[1])):
         for p, e in zip(top_p[b, t] / top_p[b, t].sum(), top_e[b, t]):
-            expected[b, t] += p * block.experts[str(int(e))](x[b, t])
+            expected[b, t] += p * expert_mlp(block, int(e))(x[b, t])
     torch.testing.assert_close(block(x)[0], expected, **EXACT)
     assert (top_e != E - 1).all()                                             # the starved expert
 
@@ -99,7 +108,9 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     for block_a, block_b in zip(a, b, strict=True):
         for (name, p), q in zip(block_a.named_parameters(), block_b.parameters(), strict=True):
             assert torch.equal(p, q), name
-    assert "experts.3.down_proj.weight" in dict(a[0].named_parameters())
+    assert a[0].experts.down_proj.shape == (E, LAYER.hidden_size, LAYER.intermediate_size)   # stacked
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in upcycled.state_dict()         # 01's names
+    assert a[0].experts.down_proj.segments[3].name == "model.layers.0.mlp.experts.3.down_proj.weight"
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -120,7 +131,7 @@ def test_router_learns_from_the_task_loss(k):
     expected = torch.zeros_like(x)
     for t in range(x.shape[1]):
         for w, e in zip(weights[0, t], top_e[0, t]):
-            expected[0, t] += w * block.experts[str(int(e))](x[0, t])
+            expected[0, t] += w * expert_mlp(block, int(e))(x[0, t])
     (expected * grad_out).sum().backward()
     assert ours.abs().sum() > 1e-3
     torch.testing.assert_close(ours, block.gate.weight.grad, **EXACT)
@@ -165,7 +176,7 @@ def test_capacity_drops_per_sequence_first_choices_first_and_shared_experts_add(
     for b, t in ((b, t) for b in range(2) for t in range(5)):
         for j, (p, e) in enumerate(zip(top_p[b, t] / top_p[b, t].sum(), top_e[b, t])):
             if keep[b, t, j]:
-                expected[b, t] += p * block.experts[str(int(e))](x[b, t])
+                expected[b, t] += p * expert_mlp(block, int(e))(x[b, t])
     torch.testing.assert_close(block(x)[0], expected, **EXACT)
     assert block.capacity(5) == 2 and block.dropped == int((~keep).sum()) > 0
     block.capacity_factor = E                                                 # ⌈E·T·k/E⌉ = T·k: all fit
@@ -197,7 +208,7 @@ def test_mfu_counts_the_parameters_a_token_uses():
     metrics = import_module("01_single_gpu.metrics")
     model = modeling.LlamaForCausalLM(LAYER)
     moe.apply_moe(model, 4, 2, 0.01, seed=0)
-    per_expert = sum(p.numel() for p in model.model.layers[0].mlp.experts["0"].parameters())
+    per_expert = sum(p[0].numel() for p in model.model.layers[0].mlp.experts.parameters())   # one slice each
     stored = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     active = stored - LAYER.num_hidden_layers * (4 - 2) * per_expert
     attention = 12 * LAYER.num_hidden_layers * LAYER.hidden_size * 16
@@ -243,8 +254,10 @@ def _layer_twin(ep):
     mine = slice(sum(len(x) for x in xs[:rank]), sum(len(x) for x in xs[:rank + 1]))
     torch.testing.assert_close(y, dense(xs[rank])[0], **EXACT)
     torch.testing.assert_close(x.grad, x_all.grad[mine], **EXACT)
+    held = slice(block.experts.first, block.experts.first + E // ep)        # this rank's slice of the stacks
+    assert block.experts.first == grid.ep_rank * E // ep and len(block.experts) == E // ep
     for name, p in block.experts.named_parameters():
-        torch.testing.assert_close(p.grad, dense.experts.get_parameter(name).grad, **EXACT, msg=name)
+        torch.testing.assert_close(p.grad, dense.experts.get_parameter(name).grad[held], **EXACT, msg=name)
     dist.all_reduce(block.gate.weight.grad, group=grid.ep_group)              # each rank: its tokens only
     if ep == world:
         torch.testing.assert_close(block.gate.weight.grad, dense.gate.weight.grad, **EXACT)

@@ -81,8 +81,12 @@ def test_experts_materialise_by_name():
     meta = meta_model()
     moe.apply_moe(meta, 4, 2, 0.01, seed=7)
     for block in moe.moe_blocks(meta):                                   # keep experts 2 and 3 (ep rank 1)
-        block.experts = torch.nn.ModuleDict({e: block.experts[e] for e in ("2", "3")})
-    check_slices(materialised(meta), real)
+        block.experts.keep(2, 4)
+    kept, full = materialised(meta).state_dict(), real.state_dict()         # 01's per-expert names
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in kept and "model.layers.0.mlp.experts.1.up_proj.weight" \
+        not in kept and set(kept) < set(full)
+    for name, value in kept.items():
+        assert torch.equal(value, full[name]), name
 
 
 def test_upcycling_reads_the_dense_mlp(tmp_path):
@@ -92,9 +96,8 @@ def test_upcycling_reads_the_dense_mlp(tmp_path):
     moe.apply_moe(model, 4, 2, 0.01, seed=7)
     materialised(model, tmp_path)
     for layer, dense_layer in zip(model.model.layers, dense.model.layers, strict=True):
-        for expert in layer.mlp.experts.values():
-            for name, p in expert.named_parameters():
-                assert torch.equal(p, dense_layer.mlp.get_parameter(name)), name
+        for name, p in layer.mlp.experts.named_parameters():             # (E, F, C): E copies of (F, C)
+            assert torch.equal(p, dense_layer.mlp.get_parameter(f"{name}.weight").expand_as(p)), name
 
 
 BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 24, "--num-heads", 12, "--num-kv-heads",
