@@ -1,8 +1,9 @@
 """A rank's training state in global coordinates, so a checkpoint moves between parallel layouts.
 
 Playbook §2.2-2.6 (every technique shards the same model differently). What a rank trains are its
-optimizer's tensors: whole parameters (01, DP), TP blocks of them (04: `materialize.Block`), or flat
-ranges of ZeRO's units that cross parameter boundaries (03, 08). Each such tensor is described by its
+optimizer's tensors: whole parameters (01, DP), TP blocks of them (04: `materialize.Block`), stacks of
+whole ones (07's experts, (E, F, C): a `segments` list) or flat ranges of ZeRO's units that cross
+parameter boundaries (03, 08). Each such tensor is described by its
 `Segment`s: which global parameter (its name in 01's model, its full shape), which block of it (the TP
 slice along `dim`), which range of that block's flattened elements, and where that range sits in the
 local tensor. A checkpoint stores every distinct segment once (written by the lowest rank holding it,

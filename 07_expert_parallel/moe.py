@@ -15,8 +15,10 @@ split of the batch changes which). Side losses, per sequence (no split changes t
 
 and the block returns (y, α·aux + β·z), which the model adds to the task loss. Under 08's context
 parallelism `stats_group` sums aux's statistics over the cp ranks first (`SumOverRanks`).
-`experts_fn(experts, rows, counts)` runs the experts on rows grouped by expert, one batched matmul per
-projection (expert_parallel.py swaps in the all-to-all version). Derivations: this folder's README.md.
+The experts are stored stacked (`Experts`: gate/up (E, F, C), down (E, C, F), 01's per-expert names
+kept in checkpoints and state_dict), and `experts_fn(experts, rows, counts)` runs them on rows grouped by
+expert, one batched matmul per projection reading the weights in place (expert_parallel.py swaps in the
+all-to-all version). Derivations: this folder's README.md.
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2        # the single-device MoE
 
@@ -88,8 +90,9 @@ class Experts(nn.Module):
         """Keep experts [start, stop) of the stacks (EP: this rank's slice); meta stays meta."""
         for proj, p in list(self.named_parameters()):
             setattr(self, proj, nn.Parameter(p.detach()[start:stop].clone(), requires_grad=p.requires_grad))
+        self.first += start
         if self.prefix is not None:
-            self.name_experts(self.prefix, self.first + start)
+            self.name_experts(self.prefix, self.first)
         return self
 
 

@@ -113,6 +113,26 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     assert a[0].experts.down_proj.segments[3].name == "model.layers.0.mlp.experts.3.down_proj.weight"
 
 
+def test_grouped_experts_save_no_copy_of_their_weights():
+    """What autograd saves for run_experts, as distinct storages: the stacked weights themselves (the
+    parameters, no new bytes) and E·M·(C + 4F)·b bytes of activations, with M the largest group: the
+    padded rows (E, M, C) for the gate and up matmuls; gate and up outputs, silu(gate) and the SwiGLU
+    (E, M, F) each, for silu, the product and the down matmul; plus the two int64 (n,) indices (expert
+    and slot of each row). Stacking the weights per call instead saved 3·E·F·C·b more, a copy per layer."""
+    block = moe.MoE(LAYER, E, K).double()
+    counts = torch.tensor([7, 5, 8, 0])                                      # an expert without rows
+    rows = torch.randn(int(counts.sum()), LAYER.hidden_size, dtype=torch.float64, requires_grad=True)
+    saved = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),
+                                                  lambda t: t):
+        moe.run_experts(block.experts, rows, counts)
+    weights = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
+    assert weights <= saved.keys()                                           # read in place
+    activations = sum(t.untyped_storage().nbytes() for ptr, t in saved.items() if ptr not in weights)
+    (n, C), F, M, b = rows.shape, LAYER.intermediate_size, int(counts.max()), 8
+    assert activations == E * M * (C + 4 * F) * b + 2 * n * 8
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_router_learns_from_the_task_loss(k):
     """The router's gradient from the task loss alone (no aux loss) is non-zero and equals the
