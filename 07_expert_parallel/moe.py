@@ -83,8 +83,8 @@ class Experts(nn.Module):
         self.prefix, self.first = prefix, first
         for proj, p in self.named_parameters():
             size = p[0].numel()
-            p.segments = [global_state.Segment(f"{prefix}.{first + i}.{proj}.weight", tuple(p.shape[1:]), 0, 0,
-                                               p.shape[1], 0, size, i * size) for i in range(len(p))]
+            p.segments = [global_state.Segment(f"{prefix}.{first + i}.{proj}.weight", tuple(p.shape[1:]),
+                                               0, 0, p.shape[1], 0, size, i * size) for i in range(len(p))]
 
     def keep(self, start: int, stop: int):
         """Keep experts [start, stop) of the stacks (EP: this rank's slice); meta stays meta."""

@@ -12,6 +12,7 @@ TP blocks) → tp2 × dp2 (04); and 07's experts over ep2 → 07 on one device. 
 exported (export_hf.py) and transformers' Llama gives the project's logits (float32: 1e-5), and
 generate.py decodes the same greedy tokens from the checkpoint and from its export.
 """
+import json
 from importlib import import_module
 
 import pytest
@@ -131,8 +132,17 @@ def _experts(ckpt):
 
 def test_experts_move_from_ep2_to_one_device(tmp_path, moe_reference):
     """07's experts saved by dp 2 × ep 2 (each rank: 2 of the 4 experts of every layer) resume on one
-    device, which holds all 4, with the single-device MoE run's losses."""
+    device, which holds all 4, with the single-device MoE run's losses. On disk every expert is its own
+    (F, C) piece under 01's per-expert name, as before the experts were stored stacked, written by its
+    owner: older checkpoints have the same pieces."""
     ckpt = str(tmp_path / "ckpt")
     run_ranks(_experts, 2, args=(ckpt,), timeout=300)
+    pieces = json.loads((tmp_path / "ckpt" / "step_000002" / "manifest.json").read_text())["pieces"]
+    experts = {(p["name"], tuple(p["shape"]), p["file"]) for p in pieces if ".mlp.experts." in p["name"]}
+    C, F = (int(common.TINY[common.TINY.index(f) + 1]) for f in ("--hidden-size", "--intermediate-size"))
+    projections = (("gate_proj", (F, C)), ("up_proj", (F, C)), ("down_proj", (C, F)))
+    assert experts == {(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", shape,
+                        f"rank_{e // 2:05d}.safetensors")                                 # owner: e // 2
+                       for layer in range(4) for e in range(4) for proj, shape in projections}
     resumed = run("07_expert_parallel.train", ["--num-experts", 4], 1, 4, ckpt, resume=True)
     assert resumed == pytest.approx(moe_reference[2:], rel=1e-5)

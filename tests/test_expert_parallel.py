@@ -118,13 +118,16 @@ def test_grouped_experts_save_no_copy_of_their_weights():
     parameters, no new bytes) and E·M·(C + 4F)·b bytes of activations, with M the largest group: the
     padded rows (E, M, C) for the gate and up matmuls; gate and up outputs, silu(gate) and the SwiGLU
     (E, M, F) each, for silu, the product and the down matmul; plus the two int64 (n,) indices (expert
-    and slot of each row). Stacking the weights per call instead saved 3·E·F·C·b more, a copy per layer."""
+    and slot of each row). Stacking the weights per call instead saved 3·E·F·C·b more, a copy per
+    layer: the former code fails here."""
     block = moe.MoE(LAYER, E, K).double()
     counts = torch.tensor([7, 5, 8, 0])                                      # an expert without rows
     rows = torch.randn(int(counts.sum()), LAYER.hidden_size, dtype=torch.float64, requires_grad=True)
-    saved = {}
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.setdefault(t.untyped_storage().data_ptr(), t),
-                                                  lambda t: t):
+    saved = {}                                                               # storage -> a tensor saved in it
+
+    def pack(t):
+        return saved.setdefault(t.untyped_storage().data_ptr(), t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         moe.run_experts(block.experts, rows, counts)
     weights = {p.untyped_storage().data_ptr() for p in block.experts.parameters()}
     assert weights <= saved.keys()                                           # read in place
