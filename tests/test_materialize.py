@@ -28,6 +28,7 @@ import common
 
 ROOT = Path(__file__).resolve().parents[1]
 modeling = import_module("01_single_gpu.model")
+global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 hf_io = import_module("01_single_gpu.hf_io")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
@@ -87,6 +88,18 @@ def test_experts_materialise_by_name():
     assert "model.layers.0.mlp.experts.1.up_proj.weight" not in kept
     for name, value in kept.items():
         assert torch.equal(value, full[name]), name
+    # A flat range across the stacks (a ZeRO unit's shard, 03/08) names each expert's elements it holds.
+    experts = moe.moe_blocks(meta)[0].experts                           # experts 2, 3 of layer 0
+    params, flat = [experts.gate_proj, experts.down_proj], torch.cat([experts.gate_proj.flatten(),
+                                                                      experts.down_proj.flatten()])
+    lo, hi, size = experts.gate_proj[0].numel() // 2, flat.numel() - 7, experts.gate_proj[0].numel()
+    segments = global_state.flat_segments(params, [0, 2 * size, 4 * size], lo, hi)
+    assert [s.name.split("experts.")[1] for s in segments] == ["2.gate_proj.weight", "3.gate_proj.weight",
+                                                               "2.down_proj.weight", "3.down_proj.weight"]
+    assert sum(s.flat_stop - s.flat_start for s in segments) == hi - lo
+    for s in segments:
+        piece = flat[lo + s.offset:lo + s.offset + s.flat_stop - s.flat_start]
+        assert torch.equal(piece, full[s.name].flatten()[s.flat_start:s.flat_stop]), s
 
 
 def test_upcycling_reads_the_dense_mlp(tmp_path):
