@@ -12,8 +12,8 @@ P_a keeps 1/t of it per rank and all-gathers it when backward reaches the layer:
 Checkpoint bytes per rank: L·b·s·h·e → L·b·s·h·e/t ("reduced by the MP degree", ZeRO §6.1), e bytes per
 element. Cost: one all-gather per layer and micro-batch, (t−1)/t·b·s·h·e wire bytes (ZeRO §8: under 10%
 of TP's all-reduce volume with recompute). Numerics are unchanged: the same forward reruns on the same
-input. With 05's sequence parallelism the layer input is already sharded along T, (B, T/t, C), and there
-is nothing left to partition: P_a is for TP without SP.
+input. 05 and 08 apply it too: under CP the checkpoint is (B, T/cp, C), distinct per cp rank, so only tp
+divides it; with 05's SP it is already (B, T/t, C) per rank and --sp refuses it (P_a is TP-without-SP's).
 
     torchrun --nproc_per_node 2 04_tensor_parallel/train.py --tp 2 --recompute full --partition-activations
 
@@ -25,6 +25,7 @@ from importlib import import_module
 
 from torch.utils.checkpoint import checkpoint
 
+recompute = import_module("01_single_gpu.recompute")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 
 
@@ -55,6 +56,13 @@ def apply_partitioned_recompute(model, tp_group):
     return model
 
 
+def apply_recompute(model, mode: str, partition: bool, tp_group):
+    """01's --recompute, or with --partition-activations its full checkpoints in 1/tp slices (04, 05, 08)."""
+    if partition:
+        return apply_partitioned_recompute(model, tp_group)
+    return recompute.apply_recompute(model, mode)
+
+
 def add_arguments(parser):
     g = parser.add_argument_group("ZeRO-R P_a (04)")
     g.add_argument("--partition-activations", action="store_true",
@@ -62,8 +70,12 @@ def add_arguments(parser):
     return g
 
 
-def check_partition_activations(args):
-    """P_a partitions full recomputation's checkpoints over tp ranks: it needs both."""
+def check_partition_activations(args, sp: bool = False):
+    """P_a partitions full recomputation's checkpoints over tp ranks: it needs both, and no SP (05), whose
+    checkpoints are already 1/tp per rank."""
     if args.partition_activations and (args.recompute != "full" or args.tp < 2):
         raise ValueError("--partition-activations splits the checkpoints of --recompute full over the tp "
                          "ranks: add --recompute full and --tp 2 or more")
+    if args.partition_activations and sp:
+        raise ValueError("--partition-activations with --sp: SP's checkpoints are already (B, T/tp, C), 1/tp "
+                         "per rank; drop --partition-activations")

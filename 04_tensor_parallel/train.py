@@ -28,7 +28,6 @@ loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
-recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
@@ -78,10 +77,8 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: shapes only
     tensor_parallel.apply_tensor_parallel(model, grid)      # sliced on shapes
     build.materialize(model, args)                          # then this rank's shards get their values
-    if args.partition_activations:                          # ZeRO-R P_a: checkpoints in 1/tp slices
-        partition_activations.apply_partitioned_recompute(model, grid.tp_group)
-    else:
-        recompute.apply_recompute(model, args.recompute)
+    partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # ZeRO-R P_a:
+                                          grid.tp_group)    # with the flag, checkpoints in 1/tp slices
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:

@@ -15,7 +15,7 @@ The ranks form the grid arange(world).view(dp, 1, cp, tp).
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --cp 2 --dp 2 --mbs 4
 
 New in the step compared with 04: each rank feeds its tokens of every sequence (CP); SP's norm gradients are
-summed over tp after the cp×dp average.
+summed over tp after the cp×dp average. --partition-activations is 04's P_a (with TP, not with SP).
 """
 import sys
 from pathlib import Path
@@ -31,11 +31,11 @@ loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
-recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+partition_activations = import_module("04_tensor_parallel.partition_activations")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
 layout_mod = import_module("05_sequence_context_parallel.layout")
@@ -75,6 +75,7 @@ def build_parser():
     process_grid.add_degree_arguments(parser, "dp", "cp", "tp")
     data_parallel.add_arguments(parser)
     layout_mod.add_arguments(parser)
+    partition_activations.add_arguments(parser)
     return parser
 
 
@@ -84,6 +85,7 @@ def check_layout(args, config):
     tensor_parallel.check_tensor_parallel(config, args.tp)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, cp=args.cp, tp=args.tp)
     data_parallel.check_data_parallel(args.bucket_mb)
+    partition_activations.check_partition_activations(args, sp=args.sp)   # SP's checkpoints are 1/tp already
 
 
 def run(args, config, dataset, grid):
@@ -92,13 +94,16 @@ def run(args, config, dataset, grid):
     layout_mod.parallelize(model, args, grid)                       # TP (+ SP), then CP, on shapes
     build.materialize(model, args)                                  # then this rank's shards get their values
     norm_weights = sequence_parallel.norm_weights(model) if args.sp else []
-    recompute.apply_recompute(model, args.recompute)
+    partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # 04's P_a:
+                                          grid.tp_group)    # (B, T/cp, C) checkpoints kept as (B, T/cp, C/tp)
     ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb)
     optimizer = optim.make_optimizer(model.parameters(), args)
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,
                                                        tp=grid.tp_size, sp=args.sp, cp=grid.cp_size)
+        if args.partition_activations:                      # full recompute's L·2·(s/cp)·b·h, 1/tp of it
+            activations //= grid.tp_size
         memory.print_report(model, optimizer, activations, args, config,
                             f"memory per rank (dp {grid.dp_size}, cp {grid.cp_size}, tp {grid.tp_size})")
     step = functools.partial(train_step, model, optimizer, ddp=ddp, norm_weights=norm_weights, grid=grid,

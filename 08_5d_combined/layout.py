@@ -8,7 +8,8 @@ model, in this order (each needs the previous one's result):
     3. CP           --cp/--cp-layout/--cp-attn (05): the ring (all-gather K/V, Ulysses) replaces the core
        MoE, EP      --num-experts/--ep (07, via experts.py): MoE blocks replace the MLPs, 1/ep of the experts
     4. PP           --pp/--pp-schedule/--pp-chunks (06): keeps this rank's layers as stage chunks
-    5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold
+    5. recompute    --recompute (01): wraps the layers / the (ring) attention core the stages hold;
+                    --partition-activations (04's P_a): full recompute's checkpoints in 1/tp slices
 (1, the kernels, happen in 01's build_model; 6, DP or ZeRO, in the schedule's passes and the step.)
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
@@ -18,9 +19,9 @@ import os
 from importlib import import_module
 
 cli = import_module("01_single_gpu.cli")
-recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+partition_activations = import_module("04_tensor_parallel.partition_activations")
 sequence_layout = import_module("05_sequence_context_parallel.layout")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
 pipeline = import_module("06_pipeline.pipeline")
@@ -36,6 +37,7 @@ def build_parser(description):
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
     moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
     gradient_sync.add_arguments(parser)                   # --dp-mode --bucket-mb --zero-stage
+    partition_activations.add_arguments(parser)           # --partition-activations (04's ZeRO-R P_a)
     return parser
 
 
@@ -51,6 +53,7 @@ def check_degrees(args, config):
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
                             args.grad_acc, config.tie_word_embeddings)
     sequence_layout.check_sequence_layout(args, config)
+    partition_activations.check_partition_activations(args, sp=args.sp)
     tensor_parallel.check_tensor_parallel(config, args.tp)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), args.dp, args.pp, args.cp, args.tp,
                              args.ep)
@@ -65,5 +68,6 @@ def parallelize(full, args, grid, device):
         grid.cp_rank, args.seq_len, device)                                  # (T/cp,) this rank's tokens
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, positions,   # 4. PP
                                    v_shape=args.pp_schedule in pipeline.V_SHAPED)
-    recompute.apply_recompute(full, args.recompute)                        # 5. the stages hold these layers
+    partition_activations.apply_recompute(full, args.recompute, args.partition_activations,   # 5. the stages
+                                          grid.tp_group)                                  # hold these layers
     return stages

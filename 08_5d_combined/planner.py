@@ -73,6 +73,7 @@ class Layout:
     zero_stage: int = 0
     recompute: str = "none"
     precision: str = "mixed"
+    partition_activations: bool = False   # 04's P_a: full recompute's checkpoints in 1/tp slices
 
 
 def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed"):
@@ -125,6 +126,7 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     held = schedules.peak_held(layout.schedule, layout.pp, stage, grad_acc, layout.chunks)
     activations = held * memory.activation_bytes_estimate(chunk, mbs, seq_len, e, layout.recompute,
                                                           tp=layout.tp, sp=layout.sp, cp=layout.cp)
+    activations //= layout.tp if layout.partition_activations else 1
     last_held = schedules.peak_held(layout.schedule, layout.pp, loss_stage(layout), grad_acc, layout.chunks)
     logits = ((stage == loss_stage(layout)) * last_held * mbs * seq_len // layout.cp * config.vocab_size
               // layout.tp * 4)
@@ -148,9 +150,12 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     # --- tensor parallelism (+ SP) ---
     per_layer = 4 if layout.num_experts else 8                               # attention (+ the dense MLP)
     passes = per_layer * layers + 2 * first + 2 * last
-    if layout.recompute == "full":
-        passes += per_layer // 2 * layers                                    # the forward's collectives again
+    if layout.recompute == "full":   # the forward's collectives again: all under Megatron's checkpoint
+        whole = getattr(config, "architecture", "llama") == "gpt"     # (reentrant); 01's non-reentrant one
+        passes += (per_layer // 2 if whole else 2) * layers    # stops before the MLP's exit all-reduce, once
+        #                                                        backward's tensors are back (torch's early stop)
     tp = m * passes * ((t - 1) * tokens * h * e // t)
+    tp += m * layers * layout.partition_activations * ((t - 1) * tokens * h * e // t)   # P_a's all-gathers
     tp += m * last * 3 * ring(t, tokens * 4)
     if layout.sp:
         tp += ring(t, (2 * h * layers + h * last) * e)
@@ -242,7 +247,7 @@ def layout_of(args) -> Layout:
     return Layout(dp=args.dp, tp=args.tp, sp=args.sp, cp=args.cp, cp_attn=args.cp_attn, pp=args.pp,
                   schedule=args.pp_schedule, chunks=args.pp_chunks, ep=args.ep, num_experts=args.num_experts,
                   top_k=args.top_k, shared_experts=args.shared_experts, zero_stage=args.zero_stage,
-                  recompute=args.recompute,
+                  recompute=args.recompute, partition_activations=args.partition_activations,
                   precision=args.precision)
 
 

@@ -150,6 +150,7 @@ def run(args, config, dataset, grid):
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,
                                                        tp=args.tp, sp=args.sp, cp=args.cp)
+    per_micro_batch //= args.tp if args.partition_activations else 1          # P_a: 1/tp of each checkpoint
     activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
     if grid.rank == 0:
         print_grid(args, grid, config)

@@ -3,7 +3,7 @@
 Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
-    8 ranks  dp2 × tp2 × pp2 (1f1b); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
+    8 ranks  dp2 × tp2 × pp2 (1f1b, full recomputation with P_a); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
              dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE);
              ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
              each unit's reduce-scatter)
@@ -15,7 +15,8 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
-             with DualPipeV (grad-acc 4: its B, I and W passes under TP's collectives); dp4 (ep2) with
+             with DualPipeV and with ZB-V (grad-acc 4: their B, I and W passes under TP's collectives), both
+             with full recomputation and P_a (its checkpoint bytes counted, _check_partitioned_checkpoints); dp4 (ep2) with
              4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
              (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
              every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
@@ -70,6 +71,9 @@ from harness import layout_results, run_layouts
 from test_tensor_parallel import LOSS, PARAMS, shard_like
 
 modeling = import_module("01_single_gpu.model")
+memory = import_module("01_single_gpu.memory")
+recompute = import_module("01_single_gpu.recompute")
+schedules = import_module("06_pipeline.schedules")
 process_grid = import_module("02_data_parallel.process_grid")
 pipeline = import_module("06_pipeline.pipeline")
 timeline = import_module("06_pipeline.timeline")
@@ -115,7 +119,34 @@ def _train(flag_set):
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"],
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
-                       for k, v in pipe.grad_sync.full_state_dict(stages).items()})
+                       for k, v in pipe.grad_sync.full_state_dict(stages).items()},
+                checkpoints=_checkpoint_peaks(extra, stages, pipe, mbs, grad_acc))
+
+
+def _checkpoint_peaks(extra, stages, pipe, mbs, grad_acc):
+    """Under P_a (after the run's state is taken): the saved-for-backward peaks of one more schedule step,
+    with P_a's checkpoints and then with 01's on the same layers, and the most chunk micro-batches that
+    were between their F and their B (or I) in that step's passes (the checkpoints held at once)."""
+    if "--partition-activations" not in extra:
+        return None
+    ids = torch.randint(0, 257, (grad_acc, mbs, common.SEQ_LEN + 1),
+                        generator=torch.Generator().manual_seed(0))
+    positions = pipe.stages[0].position_ids                        # (T/cp,)
+    micro_batches = [(x[:, :-1][:, positions], x[:, 1:][:, positions]) for x in ids]   # (mbs, T/cp) each
+    step, peaks = schedules.SCHEDULE_STEPS[extra[extra.index("--pp-schedule") + 1]], []
+    for plain in (False, True):
+        if plain:
+            for stage in stages:
+                for layer in stage.model.layers.values():
+                    layer.forward = recompute.checkpointed(layer.forward.__wrapped__)
+        with memory.saved_activation_bytes(exclude=stages.parameters()) as saved:
+            step(pipe, micro_batches)
+        peaks.append(saved.peak)
+    held = most = 0
+    for event in pipe.events:                                      # this rank's passes, in the order they ran
+        held += {"F": 1, "B": -1, "I": -1}.get(event.op, 0)
+        most = max(most, held)
+    return peaks, most
 
 
 def _check(flag_set, per_rank):
@@ -171,9 +202,25 @@ def _check(flag_set, per_rank):
                                          mbs, grad_acc, pp_rank)["parameters"]
             _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
+    if "--partition-activations" in extra:
+        _check_partitioned_checkpoints(per_rank, layout, config, mbs)
     if "--json-log" in extra:   # the global batch's loss, from rank 0 (a first-stage rank)
         logged = [json.loads(line)["loss"] for line in open(extra[extra.index("--json-log") + 1])]
         torch.testing.assert_close(logged, ref_losses, **loss_tol)
+
+
+def _check_partitioned_checkpoints(per_rank, layout, config, mbs):
+    """04's P_a under a pipeline: a chunk micro-batch holds L_c = L/(pp·V) layer inputs of (mbs, T/cp, C)
+    replicated over tp, of which P_a keeps (mbs, T/cp, C/tp). At the saved-for-backward peak of a step a
+    rank holds `most` of them (counted from its passes), so the peak with 01's checkpoints exceeds P_a's by
+    exactly most·L_c·mbs·(T/cp)·C·4·(1 − 1/tp) bytes, in every schedule (the I of ZB-H1, ZB-V and
+    DualPipeV reruns the layer, and its all-gather, as a whole backward does)."""
+    layers = config.num_hidden_layers // (layout.pp * layout.chunks)
+    checkpoint = mbs * common.SEQ_LEN // layout.cp * config.hidden_size * 4
+    for rank, run in enumerate(per_rank):
+        (partitioned, plain), most = run["checkpoints"]
+        saved = most * layers * checkpoint * (layout.tp - 1) // layout.tp
+        assert most > 0 and plain - partitioned == saved, (rank, plain, partitioned, most)
 
 
 def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
@@ -218,8 +265,9 @@ def _check_in_backward(run, layout, extra, whole, what):
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
 EIGHT_RANKS = {
-    "dp2-tp2-pp2-1f1b-eval": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
-                                    JSON_LOG, "--eval-every", 1, "--eval-batches", 1),
+    "dp2-tp2-pp2-1f1b-eval-pa": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
+                                       JSON_LOG, "--eval-every", 1, "--eval-batches", 1,
+                                       "--recompute", "full", "--partition-activations"),
     "tp2sp-cp2zigzag-pp2-zbh1": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag", "--pp", 2,
                                        "--pp-schedule", "zb-h1", mbs=4),
     "tp2sp-cp2zigzag-pp2-interleaved-eval": _flags("--tp", 2, "--sp", "--cp", 2, "--cp-layout", "zigzag",
@@ -246,8 +294,10 @@ FOUR_RANKS = {
                                         ZERO1_CHECKPOINTS, "--checkpoint-every", 1, mbs=2, grad_acc=2),
     "zero1-cp2-dp2-resumed": _flags("--cp", 2, "--dp", 2, "--zero-stage", 1, "--checkpoint-dir",
                                     ZERO1_CHECKPOINTS, "--resume", mbs=2, grad_acc=2),
-    "tp2-pp2-dualpipev": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
-                                grad_acc=4),
+    "tp2-pp2-dualpipev-pa": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
+                                   "--recompute", "full", "--partition-activations", grad_acc=4),
+    "tp2-pp2-zbv-pa": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "zb-v", "--pp-chunks", 2, "--recompute",
+                             "full", "--partition-activations", grad_acc=4),
     "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
                                         "--zero-stage", 1, grad_acc=4),
     "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
@@ -334,6 +384,7 @@ def _check_layout(*flags, world):
     (("--tp", 2, "--sp", "--cp", 4, "--cp-layout", "contiguous", "--seq-len", 12, "--pp", 2), 16,
      r"tp=2 does not divide the sequence each rank holds \(3 tokens"),
     (("--cp", 2, "--attn", "triton", "--pp", 2), 4, r"--cp-attn ring .* --attn triton would be ignored"),
+    (("--tp", 2, "--sp", "--recompute", "full", "--partition-activations"), 2, r"--partition-activations with --sp"),
     (("--dp", 2, "--ep", 2), 2, r"--ep 2 splits experts: it needs --num-experts"),
     (("--dp", 3, "--ep", 3, "--num-experts", 4), 3, r"ep=3 does not divide num_experts=4"),
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),

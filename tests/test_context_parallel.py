@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 import common
 from harness import layout_results, run_layouts, run_ranks
-from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, shard_like, train_layout
+from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, numbers, shard_like, train_layout
 
 cli = import_module("01_single_gpu.cli")
 modeling = import_module("01_single_gpu.model")
 memory = import_module("01_single_gpu.memory")
+recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
@@ -345,7 +346,9 @@ FOUR_RANKS = {"cp4-contiguous": (SCP, ["--cp", "4", "--cp-layout", "contiguous"]
               "cp4-zigzag": (SCP, ["--cp", "4", "--cp-layout", "zigzag"]),
               "tp2sp-cp2-zigzag": (SCP, ["--tp", "2", "--sp", "--cp", "2", "--cp-layout", "zigzag"]),
               "tp2-cp2-contiguous": (SCP, ["--tp", "2", "--cp", "2", "--cp-layout", "contiguous"]),
-              "dp2-cp2": (SCP, ["--dp", "2", "--cp", "2", "--mbs", "2"])}
+              "dp2-cp2": (SCP, ["--dp", "2", "--cp", "2", "--mbs", "2"]),
+              "tp2-cp2-full-pa": (SCP, ["--tp", "2", "--cp", "2", "--recompute", "full",
+                                        "--partition-activations"])}
 
 
 def _tp(layout):
@@ -360,10 +363,31 @@ def two_ranks():
     return run_layouts(train_layout, TWO_RANKS, 2)
 
 
+def four_rank_run(layout):
+    """train_layout's numbers; under P_a also the saved-for-backward peaks of one more forward and backward
+    of the trained model on this rank's tokens: with P_a's checkpoints, then with 01's plain ones."""
+    module, extra = layout
+    records, model = import_module(module).main(common.argv(*extra))[:2]
+    if "--partition-activations" not in extra:
+        return numbers(records, model)
+    cp_rank = torch.distributed.get_rank() // 2 % 2             # the grid (dp, pp, cp, tp) = (1, 1, 2, 2)
+    pos = context_parallel.CPLayout("zigzag", 2).positions(cp_rank, common.SEQ_LEN)             # (T/cp,)
+    ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    result, peaks = numbers(records, model), []
+    for plain in (False, True):
+        if plain:                                                 # the same layers, 01's checkpoints
+            for layer in model.model.layers:
+                layer.forward = recompute.checkpointed(layer.forward.__wrapped__)
+        with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+            model(ids[:, :-1][:, pos], labels=ids[:, 1:][:, pos], position_ids=pos).backward()
+        peaks.append(saved.peak)
+    return result, peaks
+
+
 @pytest.fixture(scope="module")
 def four_ranks():
     """One 4-rank spawn for FOUR_RANKS, as two_ranks."""
-    return run_layouts(train_layout, FOUR_RANKS, 4, timeout=300)
+    return run_layouts(four_rank_run, FOUR_RANKS, 4, timeout=300)
 
 
 @pytest.mark.parametrize("layout_id", TWO_RANKS)
@@ -373,12 +397,26 @@ def test_sp_and_cp2_runs_equal_single_device(two_ranks, default_reference, layou
                              tp=_tp(TWO_RANKS[layout_id]))
 
 
-@pytest.mark.parametrize("layout_id", FOUR_RANKS)
+@pytest.mark.parametrize("layout_id", [name for name in FOUR_RANKS if not name.endswith("-pa")])
 def test_four_rank_layouts_equal_single_device(four_ranks, default_reference, layout_id):
     """cp 4 both layouts (zig-zag: 8 chunks of 4 tokens), tp 2 + sp × cp 2 zig-zag, tp 2 × cp 2,
     dp 2 × cp 2 (mbs 2 per replica: the same global batch of 4)."""
     assert_matches_reference(layout_results(four_ranks, layout_id), default_reference,
                              tp=_tp(FOUR_RANKS[layout_id]))
+
+
+def test_partitioned_activations_under_cp_equal_single_device_keeping_1_over_tp(four_ranks,
+                                                                                default_reference):
+    """04's P_a under tp 2 × cp 2 (--recompute full --partition-activations) == 01, tolerances above. The
+    checkpoints are not replicated over cp (each cp rank holds its T/cp tokens), only over tp, so a rank keeps
+    L layer inputs of (B, T/cp, C/t) instead of (B, T/cp, C): the measured saved-for-backward peak of one
+    forward and backward (the end of the forward) is exactly L·B·(T/cp)·C·4·(1 − 1/t) bytes lower than
+    with 01's checkpoints on the same layers (everything else saved is the same)."""
+    L, B, T, C, t, cp = 4, 4, common.SEQ_LEN, 32, 2, 2
+    runs = layout_results(four_ranks, "tp2-cp2-full-pa")
+    assert_matches_reference([run for run, _ in runs], default_reference, tp=t)
+    for rank, (_, (partitioned, plain)) in enumerate(runs):
+        assert plain - partitioned == L * B * T // cp * C * 4 * (t - 1) // t, f"rank {rank}"
 
 
 def _check(*flags, world):
@@ -408,3 +446,5 @@ def test_bad_layouts_fail_before_any_process_group():
         _check("--tp", "2", "--cp", "2", "--cp-attn", "ulysses", world=4)
     with pytest.raises(ValueError, match=r"--cp-attn ring .* --attn triton would be ignored"):
         _check("--cp", "2", "--attn", "triton", world=2)
+    with pytest.raises(ValueError, match=r"--partition-activations with --sp: .* drop --partition-activ"):
+        _check("--tp", "2", "--sp", "--recompute", "full", "--partition-activations", world=2)
