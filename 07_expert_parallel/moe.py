@@ -346,6 +346,12 @@ def dropped_rows(model) -> int:
     return sum(block.dropped for block in moe_blocks(model))
 
 
+def dropped_line(dropped: int, rows: int, capacity_factor: float, steps: int) -> str:
+    """The log line of --capacity-factor (07's trainer and 08's): `dropped` of all `rows` token-choices."""
+    return (f"capacity factor {capacity_factor}: dropped {dropped} of {rows} token-choices "
+            f"({dropped / rows:.2%}) over {steps} steps, all layers")
+
+
 def flops_per_token(dense_flops_per_token: int, config, num_experts: int, top_k: int,
                     shared_experts: int = 0) -> int:
     """MFU's count for the parameters a token really uses: k experts, the shared ones and the router instead

@@ -131,8 +131,7 @@ def log_dropped(dropped, args, config, grid):
         dist.all_reduce(total, group=grid.dp_group)
     rows = len(dropped) * grid.dp_size * args.mbs * args.seq_len * args.top_k * config.num_hidden_layers
     if grid.rank == 0:
-        print(f"capacity factor {args.capacity_factor}: dropped {int(total)} of {rows} token-choices "
-              f"({float(total) / rows:.2%}) over {len(dropped) // args.grad_acc} steps, all layers")
+        print(moe.dropped_line(int(total), rows, args.capacity_factor, len(dropped) // args.grad_acc))
     return int(total)
 
 

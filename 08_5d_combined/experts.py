@@ -22,7 +22,8 @@ SumOverRanks' backward sums: 08_5d_combined/README.md.
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 \\
         --grad-acc 2
 
-New compared with 07: the side loss across stages, the statistics over cp, the norm over stages and tp.
+New compared with 07: the side loss across stages, the statistics over cp, the norm over stages and tp,
+the rows dropped over capacity counted per chunk and summed over the stages.
 """
 from importlib import import_module
 
@@ -85,6 +86,34 @@ def clip_grad_norm_experts(params, max_norm, grid, expert_params):
         return tensor_parallel.clip_grad_norm_tp(dense, 0, grid.tp_group, pp_group=grid.pp_group)
     return expert_parallel.clip_grad_norm_ep(params, max_norm, expert_params, grid.ep_group,
                                              dense_norm=dense_norm, pp_group=grid.pp_group)
+
+
+def count_dropped(stages, dropped: list):
+    """--capacity-factor: after each training forward of a stage chunk (an F pass), append the rows its MoE
+    blocks dropped over capacity (07's per-micro-batch count, by chunk). Evaluation (under no_grad) is not
+    counted, nor a recomputation: --recompute full reruns the layers in backward, never the chunk."""
+    for stage in stages:
+        def forward(*args, inner=stage.forward, stage=stage, **kwargs):
+            out = inner(*args, **kwargs)
+            if torch.is_grad_enabled():
+                dropped.append(moe.dropped_rows(stage_view([stage])))
+            return out
+        stage.forward = forward
+    return dropped
+
+
+def log_dropped(dropped, steps, args, config, grid):
+    """07's line for the whole model: this rank's counts summed over the stages (different layers) and the
+    dp ranks (different rows; ep is carved out of dp), not over tp (every tp rank routes the same tokens;
+    --capacity-factor with --cp is refused). Returns the total, which every rank holds."""
+    total = torch.tensor(sum(dropped), dtype=torch.float64)
+    for group, size in ((grid.pp_group, grid.pp_size), (grid.dp_group, grid.dp_size)):
+        if size > 1:
+            dist.all_reduce(total, group=group)
+    rows = steps * args.grad_acc * grid.dp_size * args.mbs * args.seq_len * args.top_k * config.num_hidden_layers
+    if grid.rank == 0:
+        print(moe.dropped_line(int(total), rows, args.capacity_factor, steps))
+    return int(total)
 
 
 def sum_over_stages(loss, device, grid):

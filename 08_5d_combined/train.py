@@ -16,8 +16,8 @@ global batch's mean loss, the same number as 01's (07's with experts).
     python 08_5d_combined/planner.py --preset 1b --tp 2 --pp 2 --dp 2 --seq-len 4096   # the arithmetic first
 
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
-first rank of each stage per process group, and the bubble of the last step. Not composed: experts
-with --sp.
+first rank of each stage per process group, the bubble of the last step, and with --capacity-factor
+07's rows dropped over capacity, the whole model's (experts.log_dropped). Not composed: experts with --sp.
 New in the step compared with 02-07: nothing but their composition, written out in device order.
 """
 import sys
@@ -138,6 +138,7 @@ def run(args, config, dataset, grid):
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
+    dropped = experts.count_dropped(stages, []) if args.capacity_factor else []   # rows over capacity (07)
     sync = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or ZeRO
     optimizer = optim.make_optimizer(sync.shards, args)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
@@ -166,6 +167,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
                              layout=checkpoint_layout, eval_step=evaluate)
     everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1), sync)
+    if args.capacity_factor and records:                   # after the meter: not training traffic
+        experts.log_dropped(dropped, len(records), args, config, grid)
     if grid.pp_size > 1:
         timeline.report(args, grid, pipe.events)           # measured, replayed and theory bubble
     return records, stages, pipe, everyone

@@ -81,6 +81,7 @@ cli = import_module("01_single_gpu.cli")
 combined = import_module("08_5d_combined.train")
 layout_rules = import_module("08_5d_combined.layout")
 planner = import_module("08_5d_combined.planner")
+experts = import_module("08_5d_combined.experts")
 
 STEPS = 2
 GROUPS = {"tp": {"tp"}, "cp": {"cp"},
@@ -109,13 +110,18 @@ def _train(flag_set):
             checkpoint_dir = extra[extra.index("--checkpoint-dir") + 1]
             shutil.rmtree(os.path.join(checkpoint_dir, f"step_{STEPS:06d}"))
         torch.distributed.barrier()
-    records, stages, pipe, everyone = combined.main(
-        common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
+    logged, log_dropped = [], experts.log_dropped                  # the dropped rows 08 logs (MoE, capacity)
+    experts.log_dropped = lambda *args: logged.append(log_dropped(*args)) or logged[-1]
+    try:
+        records, stages, pipe, everyone = combined.main(
+            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
+    finally:
+        experts.log_dropped = log_dropped
     mine = everyone[torch.distributed.get_rank()]
     sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
             for dim, groups in GROUPS.items()}
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
-                eval_losses=[r.get("eval_loss") for r in records],
+                eval_losses=[r.get("eval_loss") for r in records], dropped=logged,
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"],
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
@@ -156,9 +162,18 @@ def _check(flag_set, per_rank):
     args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
                           files=False)   # the planner's view: the checkpoints are not read
     layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
+    ref_dropped = []                                   # 07's logged rows dropped over capacity
     if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
-        records, model, _ = import_module("07_expert_parallel.train").main(common.argv(
-            "--num-experts", layout.num_experts, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+        train07 = import_module("07_expert_parallel.train")
+        capacity = extra[extra.index("--capacity-factor"):][:2] if "--capacity-factor" in extra else []
+        log_dropped = train07.log_dropped
+        train07.log_dropped = lambda *args: ref_dropped.append(log_dropped(*args))
+        try:
+            records, model, _ = train07.main(common.argv("--num-experts", layout.num_experts, *capacity,
+                                                         steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc,
+                                                         dtype=dtype))
+        finally:
+            train07.log_dropped = log_dropped
         ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
@@ -175,6 +190,7 @@ def _check(flag_set, per_rank):
         what = f"{' '.join(extra)}, rank {rank}"
         steps = len(run["losses"])                         # the last `steps` of 01's (1 after --resume)
         assert steps == (1 if "--resume" in extra else STEPS), what
+        assert run["dropped"] == ref_dropped, what       # the whole model's, on every rank: 07's number
         torch.testing.assert_close(run["losses"], ref_losses[-steps:], **loss_tol, msg=what)
         torch.testing.assert_close(run["norms"], ref_norms[-steps:], **norm_tol, msg=what)
         _, pp_rank, _, tp_rank = run["coords"]
@@ -274,7 +290,8 @@ EIGHT_RANKS = {
                                                    "--pp", 2, "--pp-schedule", "interleaved",
                                                    "--pp-chunks", 2,
                                                    "--eval-every", 1, "--eval-batches", 1, mbs=4),
-    "dp2ep2-tp2-pp2-moe": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4),
+    "dp2ep2-tp2-pp2-moe-capacity": _flags("--dp", 2, "--ep", 2, "--tp", 2, "--pp", 2, "--num-experts", 4,
+                                          "--capacity-factor", 1, "--recompute", "full"),
     "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
                                        "--zero-stage", 1),
     "zero3-dp2-tp2sp-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--zero-stage", 3, grad_acc=4)}
@@ -284,8 +301,8 @@ FOUR_RANKS = {
     "cp2ulysses-pp2-afab": _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2,
                                   "--pp-schedule", "afab", mbs=4),
     "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
-    "dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--num-experts",
-                                  4),
+    "dp2ep2-pp2-zbh1-moe-capacity": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
+                                           "--num-experts", 4, "--capacity-factor", 1),
     "cp2zigzag-pp2-full-moe": _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4,
                                      "--recompute", "full"),
     "cp2allgather-dp2ep2-moe": _flags("--cp", 2, "--cp-attn", "allgather", "--dp", 2, "--ep", 2,
