@@ -90,7 +90,8 @@ def add_arguments(parser):
     g.add_argument("--train-tokens", type=float, help="training tokens: print the days it takes")
     g.add_argument("--search-zero", default="0,1,2,3", help="ZeRO stages to try")
     g.add_argument("--search-recompute", default="none,selective,full", help="recomputation modes to try")
-    g.add_argument("--search-schedules", default="1f1b,interleaved,zb-h1", help="pipeline schedules to try")
+    g.add_argument("--search-schedules", default="1f1b,interleaved,zb-h1,zb-v,dualpipev",
+                   help="pipeline schedules to try (zb-v and dualpipev with their 2 chunks)")
     g.add_argument("--search-sp", choices=["yes", "no"], default="yes", help="SP with every tp > 1, or none")
     g.add_argument("--max-chunks", type=int, default=4, help="largest interleaving V tried")
     g.add_argument("--max-mbs", type=int, default=16, help="largest micro-batch tried")
@@ -237,13 +238,14 @@ def divisors(n: int):
 
 
 def schedules(pp: int, num_layers: int, names, max_chunks: int):
-    """(schedule, V) pairs; AFAB is left out: 1F1B's bubble with more micro-batches held (E16)."""
+    """(schedule, V) pairs; AFAB is left out: 1F1B's bubble with more micro-batches held (E16). The V-shaped
+    ZB-V and DualPipeV run two chunks per rank (06's v_schedules.py), whatever --max-chunks."""
     if pp == 1:
         return [("1f1b", 1)]
     pairs = [(name, 1) for name in names if name in ("1f1b", "zb-h1")]
     if "interleaved" in names:
         pairs += [("interleaved", v) for v in divisors(num_layers // pp)[1:] if v <= max_chunks]
-    return pairs
+    return pairs + [(name, 2) for name in names if name in ("zb-v", "dualpipev")]
 
 
 def search(args, config, cluster: Cluster, batch: int):
@@ -269,9 +271,9 @@ def search(args, config, cluster: Cluster, batch: int):
                             base = planner.Layout(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, schedule=schedule,
                                                   chunks=chunks, ep=ep, num_experts=experts, top_k=args.top_k,
                                                   cp_attn=args.cp_attn, precision=args.precision)
-                            try:
+                            try:   # grad-acc 2·pp passes every schedule's rule; _options checks each m
                                 check_rules(args, config, dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
-                                            pp_schedule=schedule, pp_chunks=chunks, grad_acc=pp)
+                                            pp_schedule=schedule, pp_chunks=chunks, grad_acc=2 * pp)
                             except ValueError as error:
                                 pruned[re.sub(r"\d+", "N", re.split(r"[:;(]", str(error))[0].strip())] += 1
                                 continue
@@ -297,6 +299,9 @@ def _options(config, base, seq_len, batch, zero, recomputes, cluster, max_mbs, p
         m = batch // (base.dp * mbs)
         if base.schedule == "interleaved" and m % base.pp:
             pruned["interleaving needs the micro-batches a multiple of pp (Megatron-LM §2.2.2)"] += 1
+            continue
+        if base.schedule == "dualpipev" and m < 2 * base.pp:
+            pruned["DualPipeV needs at least 2·pp micro-batches (DeepSeek's DualPipeV)"] += 1
             continue
         fitted = []
         for stage in zero:

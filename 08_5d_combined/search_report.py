@@ -127,7 +127,8 @@ def check_search(args):
         raise ValueError(f"--mem-reserve must be 0 or more GB, got {args.mem_reserve}")
     for flag, value, allowed in (("--search-zero", args.search_zero, "0 1 2 3"),
                                  ("--search-recompute", args.search_recompute, "none selective full"),
-                                 ("--search-schedules", args.search_schedules, "1f1b interleaved zb-h1")):
+                                 ("--search-schedules", args.search_schedules,
+                                  "1f1b interleaved zb-h1 zb-v dualpipev")):
         if not set(value.split(",")) <= set(allowed.split()):
             raise ValueError(f"{flag} {value}: a comma-separated list of {', '.join(allowed.split())}")
     if args.plot and not args.plot.lower().endswith(".png"):

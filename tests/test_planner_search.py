@@ -11,12 +11,14 @@ import subprocess
 import sys
 from dataclasses import astuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from importlib import import_module
 
 planner = import_module("08_5d_combined.planner")
 search = import_module("08_5d_combined.search")
+memory = import_module("01_single_gpu.memory")
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 SMALL = ["--search", "--preset", "small", "--vocab-size", "32000", "--seq-len", "2048", "--gpus", "16",
          "--gpu", "h100", "--global-batch-tokens", str(64 * 2048), "--gpu-mem", "8"]
@@ -185,3 +187,39 @@ def test_bad_search_input_is_one_error_line(case):
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert message in result.stderr.strip().splitlines()[-1]
+
+
+def test_v_schedules_are_searched_with_two_chunks_and_their_formulas():
+    """The default search tries ZB-V and DualPipeV (06's v_schedules.py) with their 2 chunks per rank, as
+    the other schedules: every such plan passes the trainers' rules (in test_every_plan_fits...), DualPipeV
+    only with m ≥ 2·pp micro-batches; its bubble is 06's (p−1)/(6m) for ZB-V once m ≥ 2p − 1 ((p−1)/(3m)
+    DualPipeV), its memory the fullest stage's with v_schedules.peak_held micro-batch·chunks of one
+    chunk's L/(2p) layers (ZB-V min(2p, 2m, m + 1 + r), DualPipeV 2p + 1), and its step the docstring's sum."""
+    v_schedules = import_module("06_pipeline.v_schedules")
+    args, config, cluster, plans, pruned = run_search(SMALL)
+    v_plans = [plan for plan in plans if plan.layout.schedule in ("zb-v", "dualpipev")]
+    assert {plan.layout.schedule for plan in v_plans} == {"zb-v", "dualpipev"}
+    assert pruned["DualPipeV needs at least 2·pp micro-batches (DeepSeek's DualPipeV)"] > 0
+    for plan in v_plans:
+        lay, m = plan.layout, plan.m
+        p = lay.pp
+        assert lay.chunks == 2 and p > 1
+        bubble = (max(p - 1, 2 * (2 * p - 1 - m)) / (6 * m) if lay.schedule == "zb-v"
+                  else (p - 1) / (3 * m))
+        assert plan.bubble == pytest.approx(bubble, rel=1e-12)
+        if lay.schedule == "dualpipev":
+            assert m >= 2 * p
+        chunk_layers = config.num_hidden_layers // (2 * p)
+        for stage in (0, p - 1):
+            held = v_schedules.peak_held(lay.schedule, p, stage, m)
+            assert held == (min(2 * p, 2 * m, m + 1 + stage) if lay.schedule == "zb-v" else 2 * p + 1)
+            chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                                    num_hidden_layers=chunk_layers)          # one micro-batch through one chunk
+            one = memory.activation_bytes_estimate(chunk, plan.mbs, args.seq_len, 2, lay.recompute, tp=lay.tp,
+                                                   sp=lay.sp, cp=lay.cp)     # 2-byte activations (mixed)
+            assert planner.stage_memory(config, lay, args.seq_len, plan.mbs, m, stage)["activations"] == \
+                held * one, (lay, stage)
+        per_micro_batch = sum(plan.times[k] for k in ("compute", "tp", "cp", "pp", "ep"))
+        assert plan.times["step"] == pytest.approx(per_micro_batch * (1 + bubble) + plan.times["dp"], rel=1e-12)
+    narrow = run_search(SMALL + ["--search-schedules", "1f1b,interleaved,zb-h1"])[3]
+    assert not [plan for plan in narrow if plan.layout.chunks == 2 and plan.layout.schedule != "interleaved"]
