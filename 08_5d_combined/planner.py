@@ -7,8 +7,8 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
 
   memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
              2 + 2 + 12 bytes, not the cheat-sheet's 18, E8: the bf16-16 layout 01 and 03 train; fp32:
-             4 + 4 + 8), ZeRO-1/2/3 sharding
-             over the N = dp·cp ranks; activations by 01's Korthikanti estimate for the micro-batches
+             4 + 4 + 8), ZeRO-1/2/3 sharding over the N = dp·cp ranks (with pp > 1 08's ZeRO-2/3 reduce
+             once per step: the full gradients, and ZeRO-3's gathered stage, are held through it); activations by 01's Korthikanti estimate for the micro-batches
              the schedule holds; the last stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
   bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1 and DualPipeV, (p−1)/(6m) ZB-V
@@ -120,6 +120,11 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     states = [a + b for a, b in zip(model_states(dense, n, layout.zero_stage, layout.precision),
                                     model_states(expert, max(n // layout.ep, 1), layout.zero_stage,
                                                  layout.precision))]
+    if layout.pp > 1 and layout.zero_stage >= 2:   # 08 under a schedule reduces once per step (gradient_sync.py):
+        w, g, _ = STATE_BYTES[layout.precision]     # the full gradients accumulate until a chunk's last B/W
+        states[1] += g * (dense + expert)           # reduce-scatters them, beside the shards
+        if layout.zero_stage == 3:                  # and the stage's units stay gathered from its first F
+            states[0] += w * (dense + expert)
     e = ACTIVATION_BYTES[layout.precision]
     chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
                             num_hidden_layers=config.num_hidden_layers // (layout.pp * layout.chunks))
@@ -181,7 +186,9 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     n = layout.dp * cp
     dense, expert = stage_parameters(config, layout, stage)
     grads = dense * GRADIENT_WIRE_BYTES[layout.precision]
-    factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]
+    factor = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[layout.zero_stage]   # 03: ZeRO-2/3 per micro-batch
+    if p > 1:                          # 08 under a schedule: one reduce-scatter and one all-gather per step
+        factor = 2
     shard_norms = ring(n, 2 * norm_bytes) if layout.zero_stage else 0        # ZeRO: Σ_dp of the shards' ‖g‖²
     comm["dp"] = (factor * (n - 1) * grads // n + ring(n, 8) + shard_norms     # ring(n, 8): the logged loss
                   if n > 1 else 0)

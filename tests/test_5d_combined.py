@@ -124,6 +124,8 @@ def _train(flag_set):
                 eval_losses=[r.get("eval_loss") for r in records], dropped=logged,
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"],
+                shard_grads=memory.held_bytes(u.shard_grad for z in getattr(pipe.grad_sync, "zeros", [])
+                                              for u in z.units),                 # ZeRO-2/3's (U/N,) each
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()},
                 checkpoints=_checkpoint_peaks(extra, stages, pipe, mbs, grad_acc))
@@ -200,13 +202,16 @@ def _check(flag_set, per_rank):
                                        msg=lambda m: f"{what} {name}: {m}")
             covered.add(name)
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
-        memory = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
-        params, _, optimizer = run["states"]
-        assert (params, optimizer) == (memory["parameters"], memory["optimizer"]), what
-        # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py):
-        # ZeRO-1's bytes, where the planner's rows are 03's per-micro-batch policy, (m+1) and 3m times
-        as_run = dataclasses.replace(layout, zero_stage=min(layout.zero_stage, 1))
-        sent = planner.stage_communication(config, as_run, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        planned = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
+        if layout.pp > 1 and layout.zero_stage == 3:    # its peak: the shards and the stage gathered (measured)
+            params += run["gathered"]
+        # full-size gradients (every parameter's, held until the chunk's last B/W), and ZeRO-2/3's shards
+        grads += run["shard_grads"] if layout.pp > 1 else 0
+        assert (params, grads, optimizer) == (planned["parameters"], planned["gradients"],
+                                              planned["optimizer"]), what
+        # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py)
+        sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
