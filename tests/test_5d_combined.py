@@ -4,12 +4,13 @@ Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
     8 ranks  dp2 × tp2 × pp2 (1f1b, full recomputation with P_a); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
-             dp2 (ep2) × tp2 × pp2 with 4 experts, top-2 (against 07's single-device MoE);
+             dp2 (ep2) × tp2 × pp2 with 4 experts, top-2, capacity factor 1, full recomputation (against
+             07's single-device MoE, and its logged dropped rows);
              ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
              each unit's reduce-scatter)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
-             dp2 (ep2) × pp2 with zb-h1 and 4 experts; experts under CP, 4 each: cp2 zig-zag × pp2 with full
+             dp2 (ep2) × pp2 with zb-h1 and 4 experts, capacity factor 1 (07's dropped rows); experts under CP, 4 each: cp2 zig-zag × pp2 with full
              recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
              statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
              backward for P's sums, no sum, or 07's /dp each fail these);
@@ -45,8 +46,10 @@ every bad layout stops with the earlier folders' messages before any process gro
 
 Planner: (a) the published anchors (ZeRO's 7.5B example, the Korthikanti activations of
 GPT-3, the bubble table for p = 8) and the E6 identity; (b) what the combined runs really held and sent:
-each rank's parameter and AdamW-state bytes from its tensors and its bytes per process group from 02's
-CommMeter equal the planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
+each rank's parameter, gradient and AdamW-state bytes from its tensors (ZeRO-2/3 under pp: the full
+gradients beside the measured shards, ZeRO-3 the measured gathered stage beside its shards: held through
+the step, as 08 reduces once per step) and its bytes per process group from 02's CommMeter equal the
+planner's numbers for its stage, exactly (except the all-to-alls of the MoE layouts,
 which follow the routing: the planner assumes balanced routing, 07's tests check the real bytes); for
 ZeRO-1, 03's formulas too (AdamW states 2eΨ/N, 1/N of plain DP's; reduce-scatter and all-gather
 (N−1)/N·eΨ each; only scalars all-reduced over dp).
