@@ -110,7 +110,8 @@ def log_dropped(dropped, steps, args, config, grid):
     for group, size in ((grid.pp_group, grid.pp_size), (grid.dp_group, grid.dp_size)):
         if size > 1:
             dist.all_reduce(total, group=group)
-    rows = steps * args.grad_acc * grid.dp_size * args.mbs * args.seq_len * args.top_k * config.num_hidden_layers
+    rows = (steps * args.grad_acc * grid.dp_size * args.mbs * args.seq_len * args.top_k    # token-choices
+            * config.num_hidden_layers)
     if grid.rank == 0:
         print(moe.dropped_line(int(total), rows, args.capacity_factor, steps))
     return int(total)

@@ -8,8 +8,9 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
   memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
              2 + 2 + 12 bytes, not the cheat-sheet's 18, E8: the bf16-16 layout 01 and 03 train; fp32:
              4 + 4 + 8), ZeRO-1/2/3 sharding over the N = dp·cp ranks (with pp > 1 08's ZeRO-2/3 reduce
-             once per step: the full gradients, and ZeRO-3's gathered stage, are held through it); activations by 01's Korthikanti estimate for the micro-batches
-             the schedule holds; the last stage's fp32 logits
+             once per step: the full gradients, and ZeRO-3's gathered stage, are held through it);
+             activations by 01's Korthikanti estimate for the micro-batches the schedule holds; the last
+             stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
   bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1 and DualPipeV, (p−1)/(6m) ZB-V
   overlap    t_comm/t_compute per dimension (App. 5.3), e.g. dp e·(N−1)/(2N·tokens)·peak/bw (E6: the
@@ -120,7 +121,7 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     states = [a + b for a, b in zip(model_states(dense, n, layout.zero_stage, layout.precision),
                                     model_states(expert, max(n // layout.ep, 1), layout.zero_stage,
                                                  layout.precision))]
-    if layout.pp > 1 and layout.zero_stage >= 2:   # 08 under a schedule reduces once per step (gradient_sync.py):
+    if layout.pp > 1 and layout.zero_stage >= 2:   # 08 under a schedule reduces once per step (gradient_sync):
         w, g, _ = STATE_BYTES[layout.precision]     # the full gradients accumulate until a chunk's last B/W
         states[1] += g * (dense + expert)           # reduce-scatters them, beside the shards
         if layout.zero_stage == 3:                  # and the stage's units stay gathered from its first F
@@ -157,8 +158,8 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     passes = per_layer * layers + 2 * first + 2 * last
     if layout.recompute == "full":   # the forward's collectives again: all under Megatron's checkpoint
         whole = getattr(config, "architecture", "llama") == "gpt"     # (reentrant); 01's non-reentrant one
-        passes += (per_layer // 2 if whole else 2) * layers    # stops before the MLP's exit all-reduce, once
-        #                                                        backward's tensors are back (torch's early stop)
+        passes += (per_layer // 2 if whole else 2) * layers    # stops before the MLP's exit all-reduce,
+        #                                                  once backward's tensors are back (torch's early stop)
     tp = m * passes * ((t - 1) * tokens * h * e // t)
     tp += m * layers * layout.partition_activations * ((t - 1) * tokens * h * e // t)   # P_a's all-gathers
     tp += m * last * 3 * ring(t, tokens * 4)

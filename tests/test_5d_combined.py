@@ -3,22 +3,23 @@
 Whole runs (real gloo ranks, tiny model, 2 AdamW steps, float32): the losses and gradient norms of every
 step and every rank's final parameters (its tp shard of its stage's layers) equal 01's for the same
 global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
-    8 ranks  dp2 × tp2 × pp2 (1f1b, full recomputation with P_a); tp2+sp × cp2 zig-zag × pp2 with zb-h1 and with interleaved V = 2;
+    8 ranks  dp2 × tp2 × pp2 (1f1b, full recomputation with P_a); tp2+sp × cp2 zig-zag × pp2 with zb-h1
+             and with interleaved V = 2;
              dp2 (ep2) × tp2 × pp2 with 4 experts, top-2, capacity factor 1, full recomputation (against
              07's single-device MoE, and its logged dropped rows);
              ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
              each unit's reduce-scatter)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
              tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
-             dp2 (ep2) × pp2 with zb-h1 and 4 experts, capacity factor 1 (07's dropped rows); experts under CP, 4 each: cp2 zig-zag × pp2 with full
-             recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
+             dp2 (ep2) × pp2 with zb-h1 and 4 experts, capacity factor 1 (07's dropped rows); experts under
+             CP, 4 each: cp2 zig-zag × pp2 with full recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
              statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
              backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
              with DualPipeV and with ZB-V (grad-acc 4: their B, I and W passes under TP's collectives), both
-             with full recomputation and P_a (its checkpoint bytes counted, _check_partitioned_checkpoints); dp4 (ep2) with
-             4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
+             with full recomputation and P_a (its checkpoint bytes counted, _check_partitioned_checkpoints);
+             dp4 (ep2) with 4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
              (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
              every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
              with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
@@ -207,7 +208,7 @@ def _check(flag_set, per_rank):
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
         planned = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
-        if layout.pp > 1 and layout.zero_stage == 3:    # its peak: the shards and the stage gathered (measured)
+        if layout.pp > 1 and layout.zero_stage == 3:    # its peak: the shards and the stage gathered
             params += run["gathered"]
         # full-size gradients (every parameter's, held until the chunk's last B/W), and ZeRO-2/3's shards
         grads += run["shard_grads"] if layout.pp > 1 else 0
@@ -409,7 +410,8 @@ def _check_layout(*flags, world):
     (("--tp", 2, "--sp", "--cp", 4, "--cp-layout", "contiguous", "--seq-len", 12, "--pp", 2), 16,
      r"tp=2 does not divide the sequence each rank holds \(3 tokens"),
     (("--cp", 2, "--attn", "triton", "--pp", 2), 4, r"--cp-attn ring .* --attn triton would be ignored"),
-    (("--tp", 2, "--sp", "--recompute", "full", "--partition-activations"), 2, r"--partition-activations with --sp"),
+    (("--tp", 2, "--sp", "--recompute", "full", "--partition-activations"), 2,
+     r"--partition-activations with --sp"),
     (("--dp", 2, "--ep", 2), 2, r"--ep 2 splits experts: it needs --num-experts"),
     (("--dp", 3, "--ep", 3, "--num-experts", 4), 3, r"ep=3 does not divide num_experts=4"),
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
