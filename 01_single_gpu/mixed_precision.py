@@ -151,6 +151,16 @@ class MixedPrecisionOptimizer:
         """The tensors whose .grad is the step's gradient: the masters of bf16-20's accumulators, else params."""
         return self.masters if self.hooked else self.params
 
+    def holders_of(self, params):
+        """The tensor whose .grad holds each of `params`' step gradient: the parameter itself, or under bf16-20
+        its fp32 master, whose .grad is the accumulator. Later folders reduce these over dp, tp, ep and the
+        stages (the fp32 buffer, the playbook's 20-byte layout); a master carries its parameter's attributes
+        (tp_sharded, kv_replicas, ...), so the reductions treat it as they would the parameter."""
+        if not self.hooked:
+            return list(params)
+        master = {id(p): m for p, m in zip(self.params, self.masters)}
+        return [master[id(p)] for p in params]
+
     @property
     def accumulators(self):
         return [m.grad for m in self.masters] if self.hooked else []

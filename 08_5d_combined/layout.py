@@ -18,6 +18,7 @@ import os
 from importlib import import_module
 
 cli = import_module("01_single_gpu.cli")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
@@ -36,6 +37,7 @@ def build_parser(description):
     pipeline.add_arguments(parser)                        # --pp-schedule --pp-chunks --timeline
     moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
     gradient_sync.add_arguments(parser)                   # --dp-mode --bucket-mb --zero-stage
+    mixed_precision.add_arguments(parser)                 # --precision-layout --loss-scale-init …
     return parser
 
 

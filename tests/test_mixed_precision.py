@@ -206,3 +206,101 @@ def test_bf16_20_resumes_bitwise_from_its_fp32_masters(single_device_layouts, tm
     assert [r["loss"] for r in records] == losses[1:]
     for name, p in model.state_dict().items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, state[name]), name
+
+
+# ======================================================================================
+# Every parallel trainer (02, 04-08) under each layout: 2 ranks against the single-device run
+# ======================================================================================
+MOE = ["--num-experts", 4, "--top-k", 2, "--aux-loss-coef", 0.1]
+# fp16 from S = 2^17, doubling after every finite step (window 1): the single-device run overflows (and
+# skips) where S reaches 2^18 (found by running it); a rank sees a different shard of the gradients (dp
+# rows, tp columns, cp tokens, pp stages, ep experts), so only reducing the overflow over all of them
+# makes every rank skip the same steps, at the same S
+FP16 = ("float16", ["--loss-scale-init", 2.0 ** 17, "--loss-scale-window", 1])
+PRECISIONS = {"bf16-16": ("bfloat16", ["--precision-layout", "bf16-16"]),
+              "bf16-20": ("bfloat16", ["--precision-layout", "bf16-20"]), "fp16": FP16}
+# trainer -> {layout id: (precision, flags)}: every --dp-mode and 08's ZeRO-1 once over bf16-20's fp32
+# buffers, TP's and SP's bf16 collectives, the pipeline's side losses and zero-bubble W passes
+TRAINERS = {
+    "02": {"dp2-bucket": ("bf16-20", ["--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0.002]),
+           "dp2-overlap": ("bf16-16", ["--dp", 2, "--dp-mode", "overlap"]),
+           "dp2-naive": ("fp16", ["--dp", 2, "--dp-mode", "naive"])},
+    "04": {"tp2": ("bf16-20", ["--tp", 2]), "tp2-bf16-16": ("bf16-16", ["--tp", 2]),
+           "tp2-fp16": ("fp16", ["--tp", 2])},
+    "05": {"cp2": ("bf16-20", ["--cp", 2]), "tp2-sp": ("bf16-16", ["--tp", 2, "--sp"]),
+           "cp2-fp16": ("fp16", ["--cp", 2])},
+    "06": {"pp2-zb-h1": ("bf16-20", ["--pp", 2, "--pp-schedule", "zb-h1"]),
+           "pp2-1f1b": ("bf16-16", ["--pp", 2]), "pp2-fp16": ("fp16", ["--pp", 2])},
+    "07": {"dp2-ep2": ("bf16-20", ["--dp", 2, "--ep", 2]), "dp2-ep2-bf16-16": ("bf16-16", ["--dp", 2, "--ep", 2]),
+           "dp2-ep2-fp16": ("fp16", ["--dp", 2, "--ep", 2])},
+    "08": {"dp2-overlap": ("bf16-20", ["--dp", 2, "--dp-mode", "overlap"]),
+           "dp2-zero1": ("bf16-20", ["--dp", 2, "--zero-stage", 1]),
+           "tp2-pp1-zero2": ("bf16-16", ["--dp", 2, "--zero-stage", 2]),
+           "pp2-fp16": ("fp16", ["--pp", 2])}}
+RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
+        for trainer, runs in TRAINERS.items() for name, (precision, flags) in runs.items()}
+
+
+def _trainer_run(run):
+    """On every rank: one trainer under one layout; losses, norms, S and skips per step, named parameters."""
+    trainer, precision, flags = run
+    dtype, precision_flags = PRECISIONS[precision]
+    dp = flags[flags.index("--dp") + 1] if "--dp" in flags else 1
+    argv = common.argv(*flags, *precision_flags, *(MOE if trainer == "07" else []), steps=3, mbs=2 // dp,
+                       grad_acc=2, dtype=dtype)
+    module = import_module({"02": "02_data_parallel", "04": "04_tensor_parallel", "06": "06_pipeline",
+                            "05": "05_sequence_context_parallel", "07": "07_expert_parallel",
+                            "08": "08_5d_combined"}[trainer] + ".train")
+    out = module.main(argv)
+    records, model = out[0], out[1]
+    state = (out[2].grad_sync.full_state_dict(model) if trainer == "08" else
+             {k: v.detach().clone() for k, v in model.state_dict().items()})
+    if trainer in ("06", "08"):
+        state = {import_module("06_pipeline.pipeline").single_device_name(k): v for k, v in state.items()}
+    import torch.distributed as dist
+    tp_rank = dist.get_rank() if "--tp" in flags else 0
+    return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                scales=[r.get("loss_scale") for r in records], skipped=[r.get("skipped", False) for r in records],
+                tp=(tp_rank, 2 if "--tp" in flags else 1),
+                state={k: v.float().numpy() for k, v in state.items()})
+
+
+@pytest.fixture(scope="module")
+def trainer_runs():
+    from harness import run_layouts
+    return run_layouts(_trainer_run, RUNS, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single_device_precisions():
+    """01 (07 for the MoE) with mbs 2 × grad_acc 2, the global batch of the runs: per precision."""
+    out = {}
+    for precision, (dtype, flags) in PRECISIONS.items():
+        for moe in (False, True):
+            trainer = import_module("07_expert_parallel.train" if moe else "01_single_gpu.train")
+            records, model = trainer.main(common.argv(*flags, *(MOE if moe else []), steps=3, mbs=2, grad_acc=2,
+                                                      dtype=dtype))[:2]
+            out[precision, moe] = dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                                       scales=[r.get("loss_scale") for r in records],
+                                       skipped=[r.get("skipped", False) for r in records],
+                                       state={k: v.detach().float() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_parallel_trainers_under_a_precision_equal_the_single_device_run(trainer_runs, single_device_precisions,
+                                                                         run):
+    from harness import layout_results
+    from test_tensor_parallel import shard_like
+    trainer, precision, flags = RUNS[run]
+    ref = single_device_precisions[precision, trainer == "07"]
+    for rank, got in enumerate(layout_results(trainer_runs, run)):
+        assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"], f"rank {rank}"
+        print(run, rank, [abs(a - b) for a, b in zip(got["losses"], ref["losses"])],
+              [abs(a - b) / b for a, b in zip(got["norms"], ref["norms"]) if b == b and abs(b) != float("inf")])
+        apart = moved = 0.0
+        for name, local in got["state"].items():
+            local = torch.from_numpy(local)
+            want = shard_like(ref["state"][name], local, *got["tp"])
+            apart += float((local - want).norm() ** 2)
+        print(run, rank, "apart", apart ** 0.5)
