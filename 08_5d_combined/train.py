@@ -82,19 +82,23 @@ def eval_step(pipe, micro_batches, grid, args):
                                    grid.cp_dp_group, grid.cp_size * grid.dp_size)
 
 
-def state_bytes(stages, optimizer, shards):
-    """(parameters, gradients, optimizer states) this rank holds after a step: parameters from their storages
-    (ZeRO-3: the shards, the full units are freed), gradients one per parameter, as large as it (what a
-    step holds at its end before ZeRO-2/3 reduce them)."""
+def state_bytes(stages, optimizer, sync):
+    """(parameters, gradients, optimizer states) this rank holds after a step, split as the planner's rows:
+    parameters from their storages (ZeRO-3: the shards, the full units are freed); gradients one per
+    parameter, as large as it (what a step holds at its end before ZeRO-2/3 reduce them), plus bf16-20's
+    fp32 buffers (01's accumulators, or ZeRO-1's flat units); AdamW's states plus bf16's fp32 masters."""
     params = [p for p in stages.parameters() if p.requires_grad]
-    return (memory.held_bytes([*params, *shards]), memory.tensor_bytes(params),
-            memory.optimizer_state_bytes(optimizer))
+    fp32_grads = [*optimizer.accumulators, *(u.grad_full for z in getattr(sync, "zeros", []) for u in z.units
+                                             if u.grad_full is not None and not u.grad_views)]
+    masters = optimizer.masters if optimizer.masters is not optimizer.params else []
+    return (memory.held_bytes([*params, *sync.shards]), memory.tensor_bytes(params) + memory.held_bytes(fp32_grads),
+            memory.optimizer_state_bytes(optimizer) + memory.held_bytes(masters))
 
 
 def report(grid, stages, optimizer, meter, activations, steps, sync):
     """Rank 0 prints the measured memory of every stage and the communication of each stage's first rank."""
     mine = dict(coords=(grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank),
-                states=state_bytes(stages, optimizer, sync.shards), activations=activations,
+                states=state_bytes(stages, optimizer, sync), activations=activations,
                 gathered=sum(z.peak_gathered_bytes for z in getattr(sync, "zeros", [])),   # ZeRO-3
                 comm={key: (meter.calls[key], meter.payload[key], meter.wire[key]) for key in meter.calls})
     everyone = [None] * grid.world_size

