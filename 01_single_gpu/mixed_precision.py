@@ -153,9 +153,9 @@ class MixedPrecisionOptimizer:
 
     def holders_of(self, params):
         """The tensor whose .grad holds each of `params`' step gradient: the parameter itself, or under
-        bf16-20 its fp32 master, whose .grad is the accumulator. Later folders reduce these over dp, tp, ep and the
-        stages (the fp32 buffer, the playbook's 20-byte layout); a master carries its parameter's attributes
-        (tp_sharded, kv_replicas, ...), so the reductions treat it as they would the parameter."""
+        bf16-20 its fp32 master, whose .grad is the accumulator. Later folders reduce these over dp, tp, ep
+        and the stages (the fp32 buffer, the playbook's 20-byte layout); a master carries its parameter's
+        attributes (tp_sharded, kv_replicas, ...), so the reductions treat it as they would the parameter."""
         if not self.hooked:
             return list(params)
         master = {id(p): m for p, m in zip(self.params, self.masters)}

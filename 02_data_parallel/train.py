@@ -76,7 +76,7 @@ def run(args, config, dataset, grid):
     """Returns (records, model, the DataParallel object, the communication meter)."""
     model = build.materialize(build.build_model(args, config), args)      # a full replica on every rank
     recompute.apply_recompute(model, args.recompute)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's (bf16-20)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
                              holders=optimizer.holders_of(model.parameters()))   # bf16-20: fp32 reduced
     if grid.rank == 0:

@@ -85,7 +85,7 @@ def run(args, config, dataset, grid):
         partition_activations.apply_partitioned_recompute(model, grid.tp_group)
     else:
         recompute.apply_recompute(model, args.recompute)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's (bf16-20)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
                              holders=optimizer.holders_of(model.parameters()))
     if grid.rank == 0:

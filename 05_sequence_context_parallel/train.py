@@ -95,7 +95,7 @@ def run(args, config, dataset, grid):
     layout_mod.parallelize(model, args, grid)                       # TP (+ SP), then CP, on shapes
     build.materialize(model, args)                                  # then this rank's shards get their values
     recompute.apply_recompute(model, args.recompute)
-    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's (bf16-20)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb,
                              holders=optimizer.holders_of(model.parameters()))
     norm_weights = optimizer.holders_of(sequence_parallel.norm_weights(model) if args.sp else [])

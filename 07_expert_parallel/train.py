@@ -52,7 +52,7 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
             dropped.append(moe.dropped_rows(model))       # read before backward (a recompute repeats forward)
             optimizer.scale(micro_loss).backward()        # EP: the all-to-alls' backward sends gradients home
             loss += micro_loss.detach()
-    optimizer.unscale_gradients()                         # fp16: ÷ S; `dense`, `experts`: bf16-20's fp32 buffers
+    optimizer.unscale_gradients()                         # fp16: ÷ S (bf16-20: `dense`, `experts` are fp32)
     expert_parallel.sync_gradients(dense, experts, grid)  # dense: mean over dp; experts: Σ expert_dp, / dp
     grad_norm = expert_parallel.clip_grad_norm_ep(dense + experts, args.grad_clip, experts, grid.ep_group)
     optimizer.step(grad_norm)                             # Σ over ep: every rank skips fp16's overflows

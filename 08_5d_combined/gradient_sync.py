@@ -52,8 +52,8 @@ def check_gradient_sync(args):
                          "or use --zero-stage 1 or 2")
     mixed_precision.check_precision(args)
     if args.precision_layout == "bf16-20" and args.zero_stage > 1:
-        raise ValueError(f"--precision-layout bf16-20 with --zero-stage {args.zero_stage}: under a schedule a "
-                         f"chunk's micro-batches add up in the bf16 .grad until its last backward reduce-"
+        raise ValueError(f"--precision-layout bf16-20 with --zero-stage {args.zero_stage}: under a schedule "
+                         f"a chunk's micro-batches add up in the bf16 .grad until its last backward reduce-"
                          f"scatters them, not in fp32: use --zero-stage 1, or --precision-layout bf16-16")
     if args.precision_layout == "bf16-20" and args.zero_stage == 1 and (
             args.sp or tp_kv_replicas(args) > 1):
@@ -79,7 +79,7 @@ class DataParallelSync:
         return self.ddp.step_events
 
     @property
-    def shards(self):                    # what AdamW steps (bf16-16/20: through fp32 masters): every parameter
+    def shards(self):                    # what AdamW steps (bf16: through fp32 masters): every parameter
         return self.params
 
     def zero_gradients(self):

@@ -91,7 +91,8 @@ def state_bytes(stages, optimizer, sync):
     fp32_grads = [*optimizer.accumulators, *(u.grad_full for z in getattr(sync, "zeros", []) for u in z.units
                                              if u.grad_full is not None and not u.grad_views)]
     masters = optimizer.masters if optimizer.masters is not optimizer.params else []
-    return (memory.held_bytes([*params, *sync.shards]), memory.tensor_bytes(params) + memory.held_bytes(fp32_grads),
+    return (memory.held_bytes([*params, *sync.shards]),
+            memory.tensor_bytes(params) + memory.held_bytes(fp32_grads),
             memory.optimizer_state_bytes(optimizer) + memory.held_bytes(masters))
 
 

@@ -229,7 +229,8 @@ TRAINERS = {
            "cp2-fp16": ("fp16", ["--cp", 2])},
     "06": {"pp2-zb-h1": ("bf16-20", ["--pp", 2, "--pp-schedule", "zb-h1"]),
            "pp2-1f1b": ("bf16-16", ["--pp", 2]), "pp2-fp16": ("fp16", ["--pp", 2])},
-    "07": {"dp2-ep2": ("bf16-20", ["--dp", 2, "--ep", 2]), "dp2-ep2-bf16-16": ("bf16-16", ["--dp", 2, "--ep", 2]),
+    "07": {"dp2-ep2": ("bf16-20", ["--dp", 2, "--ep", 2]),
+           "dp2-ep2-bf16-16": ("bf16-16", ["--dp", 2, "--ep", 2]),
            "dp2-ep2-fp16": ("fp16", ["--dp", 2, "--ep", 2])},
     "08": {"dp2-overlap": ("bf16-20", ["--dp", 2, "--dp-mode", "overlap"]),
            "dp2-zero1": ("bf16-20", ["--dp", 2, "--zero-stage", 1]),
@@ -287,9 +288,10 @@ def _trainer_run(run):
     if trainer in ("06", "08"):
         state = {import_module("06_pipeline.pipeline").single_device_name(k): v for k, v in state.items()}
     return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}),
-                dtype=str(next(model.parameters()).dtype), tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
-                states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,
-                coords=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)   # 08's memory rows
+                dtype=str(next(model.parameters()).dtype),
+                tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
+                states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
+                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +330,8 @@ def single_device_precisions(single_device_layouts):
                                                               steps=2, mbs=1, grad_acc=2, dtype=dtype))[:2]
                 numbers = _numbers(records, model.state_dict())
             numbers["state"] = {k: v.detach().float() for k, v in numbers["state"].items()}
-            numbers["moved"] = sum(float((v - initial[k]).norm() ** 2) for k, v in numbers["state"].items()) ** 0.5
+            numbers["moved"] = sum(float((v - initial[k]).norm() ** 2)
+                                   for k, v in numbers["state"].items()) ** 0.5
             out[precision, moe] = numbers
     return out
 
@@ -365,11 +368,11 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
         assert apart ** 0.5 <= PARAMS_APART * ref["moved"], f"rank {rank}"
         if trainer == "08":      # the memory report's (weights, gradients, optimizer) == the planner's row
             args = cli.parse_args(planner.build_parser(), common.argv(
-                *flags, "--precision", PLANNED[precision], steps=2, mbs=1, grad_acc=2 // (2 if "--dp" in flags else 1)),
+                *flags, "--precision", PLANNED[precision], mbs=1, grad_acc=1 if "--dp" in flags else 2),
                 files=False)
-            memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args), common.SEQ_LEN,
-                                          args.mbs, args.grad_acc, got["coords"])
+            memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args),
+                                          common.SEQ_LEN, args.mbs, args.grad_acc, got["pp_rank"])
             planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
             if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
-                planned[1] = got["states"][1]     # 08 counts the full .grad a step holds before ZeRO-2 frees it
+                planned[1] = got["states"][1]     # 08 counts the full .grad held before ZeRO-2 frees it
             assert list(got["states"]) == planned, rank
