@@ -1,10 +1,12 @@
-"""Mixed precision (01_single_gpu/mixed_precision.py, 03's ZeRO over it): loss scaling, the layouts' bytes.
+"""Mixed precision (01_single_gpu/mixed_precision.py; 03's ZeRO and 02-08 over it): loss scaling, the layouts' bytes.
 
 Compared: fp16's dynamic loss scaling against its rule (an overflowing step changes nothing and halves S,
 --loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
 tensor, against the memory table printed before training and the playbook's 16 and 20 bytes per parameter
 (08's planner's "mixed" rows are the same numbers); bf16 training against fp32 (close: bf16 rounding);
-and ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring).
+ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring); and
+02, 04, 05, 06, 07, 08 on 2 ranks under bf16-16, bf16-20 and fp16 against 01 (07 for the MoE), an fp16
+overflow forced on one rank skipped by all, 08's memory rows against the planner's mixed rows.
 """
 import contextlib
 import json
