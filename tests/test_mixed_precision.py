@@ -1,4 +1,4 @@
-"""Mixed precision (01_single_gpu/mixed_precision.py; 03's ZeRO and 02-08 over it): loss scaling, the layouts' bytes.
+"""Mixed precision (01's mixed_precision.py, and 02-08 over it): loss scaling, the layouts' bytes.
 
 Compared: fp16's dynamic loss scaling against its rule (an overflowing step changes nothing and halves S,
 --loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
