@@ -219,9 +219,6 @@ def check_values(args):
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
-    if args.dtype == "float16" and not hasattr(args, "loss_scale_init"):
-        raise ValueError("--dtype float16 needs dynamic loss scaling, which 01_single_gpu/train.py and "
-                         "03_zero/train.py have: use --dtype bfloat16 here")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
 

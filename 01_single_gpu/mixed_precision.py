@@ -110,8 +110,8 @@ class LossScaler:
 
 
 class MixedPrecisionOptimizer:
-    """01's AdamW stepping the layout's master weights of `params` (01: the model's parameters; 03: ZeRO's
-    shards), and fp16's loss scale. A trainer's step calls, in device order:
+    """01's AdamW stepping the layout's master weights of `params` (01, 02, 04-07: the model's parameters; 03
+    and 08's ZeRO: its shards), and fp16's loss scale. A trainer's step calls, in device order:
 
         zero_grad()                         .grad dropped; bf16-20's fp32 accumulators zeroed
         scale(micro_loss).backward()        × S under fp16 (bf16-20: hooks add each .grad into fp32, zero it)
@@ -150,6 +150,16 @@ class MixedPrecisionOptimizer:
     def holders(self):
         """The tensors whose .grad is the step's gradient: the masters of bf16-20's accumulators, else params."""
         return self.masters if self.hooked else self.params
+
+    def holders_of(self, params):
+        """The tensor whose .grad holds each of `params`' step gradient: the parameter itself, or under
+        bf16-20 its fp32 master, whose .grad is the accumulator. Later folders reduce these over dp, tp, ep
+        and the stages (the fp32 buffer, the playbook's 20-byte layout); a master carries its parameter's
+        attributes (tp_sharded, kv_replicas, ...), so the reductions treat it as they would the parameter."""
+        if not self.hooked:
+            return list(params)
+        master = {id(p): m for p, m in zip(self.params, self.masters)}
+        return [master[id(p)] for p in params]
 
     @property
     def accumulators(self):

@@ -60,8 +60,9 @@ class DataParallel:
     before backward ended.
     """
 
-    def __init__(self, params, group):
-        self.params = [p for p in params if p.requires_grad]
+    def __init__(self, params, group, holders=None):
+        self.sources = [p for p in params if p.requires_grad]      # whose backward fires the hooks
+        self.params = self.sources if holders is None else list(holders)   # whose .grad is averaged
         self.group, self.size = group, dist.get_world_size(group)
         self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
         self.events, self.step_events = [], []
@@ -88,11 +89,11 @@ class DataParallel:
 # overlap: an async all-reduce per parameter, launched from its gradient hook
 # ======================================================================================
 class OverlapDataParallel(DataParallel):
-    def __init__(self, params, group):
-        super().__init__(params, group)
+    def __init__(self, params, group, holders=None):
+        super().__init__(params, group, holders)
         self.pending = []                           # (work handle, param) in launch order
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(p, i))
+        for i, (source, p) in enumerate(zip(self.sources, self.params)):
+            source.register_post_accumulate_grad_hook(lambda _, p=p, i=i: self._grad_ready(p, i))
 
     def _grad_ready(self, p, i):
         """Runs inside backward once p.grad holds this backward's full contribution."""
@@ -148,13 +149,14 @@ def make_buckets(params, bucket_bytes):
 
 
 class BucketDataParallel(DataParallel):
-    def __init__(self, params, group, bucket_mb: float):
-        super().__init__(params, group)
-        self.buckets = make_buckets(self.params, bucket_mb * 2**20)
+    def __init__(self, params, group, bucket_mb: float, holders=None):
+        super().__init__(params, group, holders)
+        self.buckets = make_buckets(self.params, bucket_mb * 2**20)     # in the holders' dtype
         self.launched = 0
         for bucket in self.buckets:
-            for j, (p, i) in enumerate(zip(bucket.params, bucket.indices)):
-                p.register_post_accumulate_grad_hook(lambda p, b=bucket, j=j, i=i: self._grad_ready(b, j, i))
+            for j, i in enumerate(bucket.indices):
+                self.sources[i].register_post_accumulate_grad_hook(
+                    lambda _, b=bucket, j=j, i=i: self._grad_ready(b, j, i))
 
     def _grad_ready(self, bucket, j, i):
         p = bucket.params[j]
@@ -215,12 +217,15 @@ def check_data_parallel(bucket_mb: float):
         raise ValueError(f"--bucket-mb must be positive, got {bucket_mb}")
 
 
-def wrap(params, group, mode: str, bucket_mb: float = 25.0) -> DataParallel:
-    """The DataParallel object over `params` for --dp-mode naive | overlap | bucket."""
+def wrap(params, group, mode: str, bucket_mb: float = 25.0, holders=None) -> DataParallel:
+    """The DataParallel object over `params` for --dp-mode naive | overlap | bucket. `holders`: the tensors
+    whose .grad is each parameter's step gradient, when not the parameter itself (01's bf16-20: the fp32
+    masters, `MixedPrecisionOptimizer.holders_of`); the hooks still fire on the parameters' backward, after
+    the optimizer's (registered first), which have added the micro-batch's bf16 .grad into fp32."""
     if mode == "naive":
-        return DataParallel(params, group)
+        return DataParallel(params, group, holders)
     if mode == "overlap":
-        return OverlapDataParallel(params, group)
+        return OverlapDataParallel(params, group, holders)
     if mode == "bucket":
-        return BucketDataParallel(params, group, bucket_mb)
+        return BucketDataParallel(params, group, bucket_mb, holders)
     raise ValueError(f"--dp-mode {mode!r}: choose naive, overlap or bucket")

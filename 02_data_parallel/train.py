@@ -4,7 +4,9 @@ Playbook §2.2. Every rank builds the full model seeded exactly as in 01; the sa
 r·mbs … (r+1)·mbs−1 of each micro-batch slot (so `--dp D --mbs M` trains on the global batch of 01's
 `--mbs D·M`), and data_parallel.py averages the gradients (--dp-mode naive | overlap | bucket). The
 logged loss is the mean over the global batch (all-reduced over dp), so it equals 01's.
-Communication per rank per step: the gradients' all-reduce, 2(N−1)/N · Ψ bytes (ring).
+Communication per rank per step: the gradients' all-reduce, 2(N−1)/N · Ψ bytes (ring). 01's
+--precision-layout and --dtype float16 apply as they are: bf16-20 all-reduces its fp32 accumulators, and
+the norm after the all-reduce, fp16's overflow check, is the same on every rank, hence so are the skips.
 
     torchrun --nproc_per_node 4 02_data_parallel/train.py --dp 4 --mbs 2 --steps 50
     torchrun --nproc_per_node 4 02_data_parallel/train.py --dp 4 --mbs 2 --dp-mode overlap
@@ -27,7 +29,7 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -42,11 +44,12 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
         for i, (x, y) in enumerate(micro_batches):                  # x, y: (mbs, T), this rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
                 micro_loss = model(x, labels=y) / len(micro_batches)
-                micro_loss.backward()                               # overlap/bucket: hooks all-reduce here
-            loss += micro_loss.detach()
+                optimizer.scale(micro_loss).backward()              # overlap/bucket: hooks all-reduce here
+            loss += micro_loss.detach()                             #   (bf16-20: the fp32 accumulators)
     ddp.finish_gradients()                                          # wait (naive: all-reduce now); / dp
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-    optimizer.step()
+    holders = optimizer.unscale_gradients()                         # fp16: ÷ S (01's mixed_precision.py)
+    grad_norm = torch.nn.utils.clip_grad_norm_(holders, args.grad_clip or float("inf"))   # the same on
+    optimizer.step(grad_norm)                                       #   every rank: so are fp16's skips
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
@@ -58,6 +61,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp")
     data_parallel.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -65,14 +69,16 @@ def check_layout(args, config):
     """Every layout error, raised before any process group exists."""
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp)
     data_parallel.check_data_parallel(args.bucket_mb)
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
     """Returns (records, model, the DataParallel object, the communication meter)."""
     model = build.materialize(build.build_model(args, config), args)      # a full replica on every rank
     recompute.apply_recompute(model, args.recompute)
-    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
+    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
+                             holders=optimizer.holders_of(model.parameters()))   # bf16-20: fp32 reduced
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)

@@ -27,7 +27,7 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
@@ -43,12 +43,13 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
         for i, (x, y) in enumerate(micro_batches):                  # x, y: (mbs, T), this dp rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):
                 micro_loss = model(x, labels=y) / len(micro_batches)   # f / f̄ all-reduces over tp inside
-                micro_loss.backward()
+                optimizer.scale(micro_loss).backward()              # fp16: × S
             loss += micro_loss.detach()
     ddp.finish_gradients()                                          # mean over the dp replicas
-    tensor_parallel.all_reduce_kv_replica_gradients(model.parameters())   # tp > kv heads: a head's copies
-    grad_norm = tensor_parallel.clip_grad_norm_tp(model.parameters(), args.grad_clip, grid.tp_group)
-    optimizer.step()
+    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; bf16-20: the fp32 buffers
+    tensor_parallel.all_reduce_kv_replica_gradients(holders)        # tp > kv heads: a head's copies
+    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)   # Σ over tp:
+    optimizer.step(grad_norm)                                       #   every rank skips fp16's overflows
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
@@ -61,6 +62,7 @@ def build_parser():
     process_grid.add_degree_arguments(parser, "dp", "tp")
     data_parallel.add_arguments(parser)
     partition_activations.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -70,6 +72,7 @@ def check_layout(args, config):
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, tp=args.tp)
     data_parallel.check_data_parallel(args.bucket_mb)
     partition_activations.check_partition_activations(args)
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
@@ -79,8 +82,9 @@ def run(args, config, dataset, grid):
     build.materialize(model, args)                          # then this rank's shards get their values
     partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # ZeRO-R P_a:
                                           grid.tp_group)    # with the flag, checkpoints in 1/tp slices
-    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
+    ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
+                             holders=optimizer.holders_of(model.parameters()))
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,

@@ -30,7 +30,7 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
@@ -52,14 +52,15 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):
                 micro_loss = model(x[:, positions], labels=y[:, positions],            # (mbs, T/cp) each
                                    position_ids=positions) / len(micro_batches)
-                micro_loss.backward()                               # SP's g/ḡ, the ring's K/V hops inside
+                optimizer.scale(micro_loss).backward()              # SP's g/ḡ, the ring's K/V hops inside
             loss += micro_loss.detach()
     ddp.finish_gradients()                                          # mean over the cp×dp ranks
-    tensor_parallel.all_reduce_kv_replica_gradients(model.parameters())   # tp > kv heads: a head's copies
+    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; bf16-20: the fp32 buffers
+    tensor_parallel.all_reduce_kv_replica_gradients(holders)        # tp > kv heads: a head's copies
     if args.sp:   # each tp rank's norms saw T/(cp·tp) tokens: sum over tp (after DP's async all-reduces,
         sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)   # which read these grads)
-    grad_norm = tensor_parallel.clip_grad_norm_tp(model.parameters(), args.grad_clip, grid.tp_group)
-    optimizer.step()
+    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)
+    optimizer.step(grad_norm)                                       # fp16 overflow: skipped on every rank
     return data_parallel.global_mean(loss, grid.cp_dp_group), grad_norm
 
 
@@ -76,6 +77,7 @@ def build_parser():
     data_parallel.add_arguments(parser)
     layout_mod.add_arguments(parser)
     partition_activations.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -86,6 +88,7 @@ def check_layout(args, config):
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, cp=args.cp, tp=args.tp)
     data_parallel.check_data_parallel(args.bucket_mb)
     partition_activations.check_partition_activations(args, sp=args.sp)   # SP's checkpoints are 1/tp already
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
@@ -93,11 +96,12 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                         # on meta: shapes only
     layout_mod.parallelize(model, args, grid)                       # TP (+ SP), then CP, on shapes
     build.materialize(model, args)                                  # then this rank's shards get their values
-    norm_weights = sequence_parallel.norm_weights(model) if args.sp else []
     partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # 04's P_a:
                                           grid.tp_group)    # (B, T/cp, C) checkpoints kept as (B, T/cp, C/tp)
-    ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
+    ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb,
+                             holders=optimizer.holders_of(model.parameters()))
+    norm_weights = optimizer.holders_of(sequence_parallel.norm_weights(model) if args.sp else [])
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,

@@ -102,10 +102,14 @@ class Pipeline:
     the pipeline counts them: `final` is True on the pass that completes the chunk's m-th of every kind
     it does, after which the gradients it adds to (W: the split linears', B: the others') are complete
     for the step, whatever the schedule's order. Data parallelism reduces them then (02's `no_sync` on
-    the other passes; 08's gradient_sync.py; what no final pass reduced, finish_gradients does)."""
+    the other passes; 08's gradient_sync.py; what no final pass reduced, finish_gradients does).
 
-    def __init__(self, stages, p2p, clock=None, split_backward=False, grad_sync=None):
+    scale_loss: what backward starts from, given a loss (01's MixedPrecisionOptimizer.scale: × fp16's S;
+    the earlier stages receive gradients of the scaled loss, a side loss is scaled as well)."""
+
+    def __init__(self, stages, p2p, clock=None, split_backward=False, grad_sync=None, scale_loss=None):
         self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()
+        self.scale_loss = scale_loss or (lambda loss: loss)
         self.grad_sync = grad_sync or NoGradientSync()
         self.rank, self.p, self.chunks = p2p.rank, p2p.p, len(stages)
         # the pp rank of the last block, which computes the loss: p − 1, or 0 V-wise
@@ -149,9 +153,10 @@ class Pipeline:
         if stage.is_last:
             out = (out + aux) / self.m                                        # 01 averages over micro-batches
             self.loss += out.detach()
+            out = self.scale_loss(out)                                        # fp16: backward from S·loss
         else:
             if torch.is_tensor(aux):   # a side loss (07's MoE): it trains through the backward of `out`
-                out = pipeline.AttachSideLoss.apply(out, aux, 1.0 / self.m)
+                out = pipeline.AttachSideLoss.apply(out, self.scale_loss(aux), 1.0 / self.m)
                 self.loss += aux.detach() / self.m                            # this stage's share of the loss
             self.p2p.send_forward(out, micro, chunk)
         self.saved[micro, chunk] = (None if stage.is_first else x, out)

@@ -30,7 +30,7 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -44,13 +44,13 @@ timeline = import_module("06_pipeline.timeline")
 def train_step(pipe, optimizer, micro_batches, grid, args):
     """02's step with the micro-batches run as a pipeline schedule; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
-    params = [p for p in pipe.stages.parameters() if p.requires_grad]
     with build.autocast(args, micro_batches[0][0].device):      # F, B (, W) of every micro-batch in the
         loss = schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)  # schedule's order; p2p inside
+    holders = optimizer.unscale_gradients()                    # fp16: ÷ S; bf16-20: the fp32 buffers
     if grid.dp_size > 1:
-        data_parallel.average_gradients(params, grid.dp_group)     # mean over the dp pipelines
-    grad_norm = pipeline.clip_grad_norm_pp(params, args.grad_clip, grid.pp_group)   # ‖g‖² summed over stages
-    optimizer.step()
+        data_parallel.average_gradients(holders, grid.dp_group)    # mean over the dp pipelines
+    grad_norm = pipeline.clip_grad_norm_pp(holders, args.grad_clip, grid.pp_group)   # ‖g‖² summed over stages
+    optimizer.step(grad_norm)                                  # fp16 overflow (on any stage): skipped by all
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
                                    grid.pp_group, grid.dp_group, grid.dp_size), grad_norm
 
@@ -67,6 +67,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp", "pp")
     pipeline.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -75,6 +76,7 @@ def check_layout(args, config):
     pipeline.check_pipeline(config.num_hidden_layers, args.pp, args.pp_chunks, args.pp_schedule,
                             args.grad_acc, config.tie_word_embeddings)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, pp=args.pp)
+    mixed_precision.check_precision(args)
 
 
 def run(args, config, dataset, grid):
@@ -86,12 +88,13 @@ def run(args, config, dataset, grid):
     stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, v_shape=v_shape)
     build.materialize(full, args, keep=stages.parameters())  # only this rank's stages get values
     del full                                                # the other stages' layers never existed
-    optimizer = optim.make_optimizer(stages.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(stages.parameters(), args)   # AdamW on fp32 masters
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device, v_shape)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
-                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)
+                           split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD,
+                           scale_loss=optimizer.scale)                              # fp16: × S
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     if grid.rank == 0:
         per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,

@@ -32,7 +32,7 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -50,11 +50,12 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
         for x, y in micro_batches:                        # x, y: (mbs, T), this rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)   # cross-entropy + α·Σ aux + β·Σ z-loss
             dropped.append(moe.dropped_rows(model))       # read before backward (a recompute repeats forward)
-            micro_loss.backward()                         # EP: the all-to-alls' backward sends gradients home
+            optimizer.scale(micro_loss).backward()        # EP: the all-to-alls' backward sends gradients home
             loss += micro_loss.detach()
+    optimizer.unscale_gradients()                         # fp16: ÷ S (bf16-20: `dense`, `experts` are fp32)
     expert_parallel.sync_gradients(dense, experts, grid)  # dense: mean over dp; experts: Σ expert_dp, / dp
     grad_norm = expert_parallel.clip_grad_norm_ep(dense + experts, args.grad_clip, experts, grid.ep_group)
-    optimizer.step()
+    optimizer.step(grad_norm)                             # Σ over ep: every rank skips fp16's overflows
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
@@ -67,6 +68,7 @@ def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp", "ep")
     moe.add_arguments(parser)
+    mixed_precision.add_arguments(parser)
     return parser
 
 
@@ -75,6 +77,7 @@ def check_layout(args, config):
     moe.check_moe(args.num_experts, args.top_k, args.aux_loss_coef, **moe.extras(args))
     expert_parallel.check_expert_parallel(args.num_experts, args.ep, args.dp)
     process_grid.grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp=args.dp, ep=args.ep)
+    mixed_precision.check_precision(args)
 
 
 def expert_memory(args, config, model, ep):
@@ -97,8 +100,8 @@ def run(args, config, dataset, grid):
         expert_parallel.apply_expert_parallel(model, grid)  # this rank keeps E/ep experts (still shapes)
     build.materialize(model, args)                          # then they, and the dense weights, get values
     recompute.apply_recompute(model, args.recompute)
-    dense, experts = moe.split_parameters(model)
-    optimizer = optim.make_optimizer(model.parameters(), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # AdamW on fp32 masters
+    dense, experts = map(optimizer.holders_of, moe.split_parameters(model))  # whose .grad the step reduces
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)

@@ -57,14 +57,16 @@ class DistributedOptimizer:
     """ZeRO over the process grid: dense units over cp×dp, expert units over expert_dp; the pipeline's
     `grad_sync` (forward and backward contexts) and the calls of 08's step."""
 
-    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=()):
+    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=(), grad_dtype=None):
+        """`grad_dtype`: 01's bf16-20 accumulation dtype (fp32 buffers under bf16 weights; 03's ZeRO)."""
         self.grid, self.stage, self.norm_ids = grid, stage, {id(p) for p in norm_weights}
         blocks = moe.moe_blocks(expert_view) if expert_view is not None else []
         experts = [p for block in blocks for p in block.experts.parameters()]
         self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage, exclude=experts, pipelined=True,
-                               before_reduce=self.sum_over_tp)
+                               before_reduce=self.sum_over_tp, grad_dtype=grad_dtype)
         self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage,
-                                  divisor=grid.cp_size * grid.dp_size, pipelined=True) if experts else None)
+                                  divisor=grid.cp_size * grid.dp_size, pipelined=True, grad_dtype=grad_dtype)
+                        if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
         self.chunk_units = []              # per chunk: [(zero, its units in it)], for stage 3's gathers
         for chunk in stages:

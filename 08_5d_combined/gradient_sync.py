@@ -23,6 +23,7 @@ micro-batch's; the step calls the same five methods whichever reduction runs.
 import contextlib
 from importlib import import_module
 
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
@@ -49,23 +50,37 @@ def check_gradient_sync(args):
     if args.zero_stage == 3 and args.tie_embeddings:
         raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
                          "or use --zero-stage 1 or 2")
+    mixed_precision.check_precision(args)
+    if args.precision_layout == "bf16-20" and args.zero_stage > 1:
+        raise ValueError(f"--precision-layout bf16-20 with --zero-stage {args.zero_stage}: under a schedule "
+                         f"a chunk's micro-batches add up in the bf16 .grad until its last backward reduce-"
+                         f"scatters them, not in fp32: use --zero-stage 1, or --precision-layout bf16-16")
+    if args.precision_layout == "bf16-20" and args.zero_stage == 1 and (
+            args.sp or tp_kv_replicas(args) > 1):
+        raise ValueError("--precision-layout bf16-20 with --zero-stage 1 sums SP's norm gradients and "
+                         "replicated kv heads over tp from the bf16 .grad, not the fp32 buffers: use "
+                         "--zero-stage 0 (any --dp-mode), or --precision-layout bf16-16")
 
 
 class DataParallelSync:
     """--zero-stage 0: 02's DataParallel over the dense parameters, 07's rule for the experts."""
 
-    def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float, norm_weights=()):
-        self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb)
-        self.dense, self.expert_params, self.grid = dense, expert_params, grid
-        self.norm_weights = norm_weights
+    def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float, norm_weights=(),
+                 holders_of=list):
+        """`holders_of`: each parameter's gradient holder (01's bf16-20: its fp32 master, whose .grad is
+        the accumulator; the optimizer's hooks, registered before DP's, have filled it)."""
+        self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb, holders=holders_of(dense))
+        self.params = dense + expert_params
+        self.dense, self.expert_params = holders_of(dense), holders_of(expert_params)
+        self.grid, self.norm_weights = grid, holders_of(norm_weights)
 
     @property
     def events(self):                    # 02's of the last step: ("grad", i), ("launch", k), ("finish", None)
         return self.ddp.step_events
 
     @property
-    def shards(self):                    # what AdamW steps: every parameter, whole
-        return self.dense + self.expert_params
+    def shards(self):                    # what AdamW steps (bf16: through fp32 masters): every parameter
+        return self.params
 
     def zero_gradients(self):
         pass
@@ -87,11 +102,12 @@ class DataParallelSync:
             expert_parallel.sync_gradients([], self.expert_params, self.grid)
         if self.norm_weights:
             sequence_parallel.all_reduce_norm_gradients(self.norm_weights, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(self.shards)
+        tensor_parallel.all_reduce_kv_replica_gradients(self.dense + self.expert_params)
 
     def clip_gradients(self, max_norm):
         if self.expert_params:
-            return experts.clip_grad_norm_experts(self.shards, max_norm, self.grid, self.expert_params)
+            return experts.clip_grad_norm_experts(self.dense + self.expert_params, max_norm, self.grid,
+                                                  self.expert_params)
         return tensor_parallel.clip_grad_norm_tp(self.dense, max_norm, self.grid.tp_group, self.grid.pp_group)
 
     def gather_shards(self):
@@ -102,8 +118,20 @@ class DataParallelSync:
 
 
 def make(stages, dense, expert_params, norm_weights, grid, args):
-    """The gradient synchronisation of --zero-stage and --dp-mode, for this rank's stage chunks."""
+    """(the gradient synchronisation of --zero-stage and --dp-mode for this rank's stage chunks, 01's
+    MixedPrecisionOptimizer over what it steps). Built together: under DP the optimizer comes first, as
+    bf16-20's hooks (fp32 accumulation) must run before DP's, which reduce those fp32 buffers; ZeRO keeps
+    bf16-20's fp32 gradients in its own buffers (03's `grad_dtype`)."""
     if args.zero_stage:
         view = experts.stage_view(stages) if args.num_experts else None
-        return distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights)
-    return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights)
+        sync = distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights,
+                                                          mixed_precision.layout_of(args).accumulation)
+        return sync, mixed_precision.MixedPrecisionOptimizer(sync.shards, args, hooks=False)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
+    return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,
+                            optimizer.holders_of), optimizer
+
+
+def tp_kv_replicas(args) -> int:
+    """How many tp ranks hold each kv head (04's rule), from the flags alone (before the model exists)."""
+    return tensor_parallel.kv_replicas(args.num_kv_heads, args.tp)

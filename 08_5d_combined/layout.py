@@ -19,6 +19,7 @@ import os
 from importlib import import_module
 
 cli = import_module("01_single_gpu.cli")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 process_grid = import_module("02_data_parallel.process_grid")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 partition_activations = import_module("04_tensor_parallel.partition_activations")
@@ -38,6 +39,7 @@ def build_parser(description):
     moe.add_arguments(parser, num_experts=0)              # --num-experts --top-k --aux-loss-coef …
     gradient_sync.add_arguments(parser)                   # --dp-mode --bucket-mb --zero-stage
     partition_activations.add_arguments(parser)           # --partition-activations (04's ZeRO-R P_a)
+    mixed_precision.add_arguments(parser)                 # --precision-layout --loss-scale-init …
     return parser
 
 

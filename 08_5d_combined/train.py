@@ -35,7 +35,6 @@ cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
@@ -54,14 +53,16 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     optimizer.zero_grad(set_to_none=True)
     sync.zero_gradients()                            # ZeRO-1: every .grad a view of its unit's flat buffer
     positions = pipe.stages[0].position_ids          # (T/cp,) this rank's tokens of every sequence (05)
-    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule; TP/SP/CP/EP inside its passes
-        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # and the gradient sync's (gradient_sync.py):
+    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule (fp16: backward from S·loss);
+        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # TP/SP/CP/EP inside its passes, and the
+        #                                                      gradient sync's (gradient_sync.py):
             pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
     #   ZeRO-3 gathers a chunk before its first F; DP overlap/bucket and ZeRO-2/3 reduce in its last B, W
     sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now, the others
     #                                                  wait; / N; SP's norm and 04's kv-copy grads summed over tp
-    grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07)
-    optimizer.step()
+    optimizer.unscale_gradients()                    # fp16: ÷ S (ZeRO: the shards' gradients)
+    grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07): the
+    optimizer.step(grad_norm)                        #   same on every rank, so are fp16's skipped steps
     sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
     if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
@@ -81,19 +82,24 @@ def eval_step(pipe, micro_batches, grid, args):
                                    grid.cp_dp_group, grid.cp_size * grid.dp_size)
 
 
-def state_bytes(stages, optimizer, shards):
-    """(parameters, gradients, optimizer states) this rank holds after a step: parameters from their storages
-    (ZeRO-3: the shards, the full units are freed), gradients one per parameter, as large as it (what a
-    step holds at its end before ZeRO-2/3 reduce them)."""
+def state_bytes(stages, optimizer, sync):
+    """(parameters, gradients, optimizer states) this rank holds after a step, split as the planner's rows:
+    parameters from their storages (ZeRO-3: the shards, the full units are freed); gradients one per
+    parameter, as large as it (what a step holds at its end before ZeRO-2/3 reduce them), plus bf16-20's
+    fp32 buffers (01's accumulators, or ZeRO-1's flat units); AdamW's states plus bf16's fp32 masters."""
     params = [p for p in stages.parameters() if p.requires_grad]
-    return (memory.held_bytes([*params, *shards]), memory.tensor_bytes(params),
-            memory.optimizer_state_bytes(optimizer))
+    fp32_grads = [*optimizer.accumulators, *(u.grad_full for z in getattr(sync, "zeros", []) for u in z.units
+                                             if u.grad_full is not None and not u.grad_views)]
+    masters = optimizer.masters if optimizer.masters is not optimizer.params else []
+    return (memory.held_bytes([*params, *sync.shards]),
+            memory.tensor_bytes(params) + memory.held_bytes(fp32_grads),
+            memory.optimizer_state_bytes(optimizer) + memory.held_bytes(masters))
 
 
 def report(grid, stages, optimizer, meter, activations, steps, sync):
     """Rank 0 prints the measured memory of every stage and the communication of each stage's first rank."""
     mine = dict(coords=(grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank),
-                states=state_bytes(stages, optimizer, sync.shards), activations=activations,
+                states=state_bytes(stages, optimizer, sync), activations=activations,
                 gathered=sum(z.peak_gathered_bytes for z in getattr(sync, "zeros", [])),   # ZeRO-3
                 comm={key: (meter.calls[key], meter.payload[key], meter.wire[key]) for key in meter.calls})
     everyone = [None] * grid.world_size
@@ -139,14 +145,15 @@ def run(args, config, dataset, grid):
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
     dropped = experts.count_dropped(stages, []) if args.capacity_factor else []   # rows over capacity (07)
-    sync = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or ZeRO
-    optimizer = optim.make_optimizer(sync.shards, args)
+    sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or
+    #                                                        ZeRO, and 01's AdamW (fp32 masters) on its shards
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
                        v_shape=args.pp_schedule in pipeline.V_SHAPED)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
-                              split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync)
+                           split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync,
+                           scale_loss=optimizer.scale)                             # fp16: × S
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,

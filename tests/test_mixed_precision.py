@@ -1,11 +1,14 @@
-"""Mixed precision (01_single_gpu/mixed_precision.py, 03's ZeRO over it): loss scaling, the layouts' bytes.
+"""Mixed precision (01's mixed_precision.py, and 02-08 over it): loss scaling, the layouts' bytes.
 
 Compared: fp16's dynamic loss scaling against its rule (an overflowing step changes nothing and halves S,
 --loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
 tensor, against the memory table printed before training and the playbook's 16 and 20 bytes per parameter
 (08's planner's "mixed" rows are the same numbers); bf16 training against fp32 (close: bf16 rounding);
-and ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring).
+ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring); and
+02, 04, 05, 06, 07, 08 on 2 ranks under bf16-16, bf16-20 and fp16 against 01 (07 for the MoE), an fp16
+overflow forced on one rank skipped by all, 08's memory rows against the planner's mixed rows.
 """
+import contextlib
 import json
 from importlib import import_module
 
@@ -206,3 +209,172 @@ def test_bf16_20_resumes_bitwise_from_its_fp32_masters(single_device_layouts, tm
     assert [r["loss"] for r in records] == losses[1:]
     for name, p in model.state_dict().items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, state[name]), name
+
+
+# ======================================================================================
+# Every parallel trainer (02, 04-08) under each layout: 2 ranks against the single-device run
+# ======================================================================================
+MOE = ["--num-experts", 4, "--top-k", 2, "--aux-loss-coef", 0.1]
+PRECISIONS = {"bf16-16": ("bfloat16", ["--precision-layout", "bf16-16"]),
+              "bf16-20": ("bfloat16", ["--precision-layout", "bf16-20"]),
+              "fp16": ("float16", ["--loss-scale-init", 1024, "--loss-scale-window", 1])}
+# trainer -> {layout id: (precision, flags)}, each run the global batch of 2 sequences that 01 trains as mbs 1
+# × grad_acc 2: every --dp-mode and 08's ZeRO-1 over bf16-20's fp32 buffers, TP's and SP's collectives on
+# bf16 activations, the pipeline's zero-bubble W passes, the experts' reductions over dp and ep
+TRAINERS = {
+    "02": {"dp2-bucket": ("bf16-20", ["--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0.002]),
+           "dp2-overlap": ("bf16-16", ["--dp", 2, "--dp-mode", "overlap"]),
+           "dp2-naive": ("fp16", ["--dp", 2, "--dp-mode", "naive"])},
+    "04": {"tp2": ("bf16-20", ["--tp", 2]), "tp2-bf16-16": ("bf16-16", ["--tp", 2]),
+           "tp2-fp16": ("fp16", ["--tp", 2])},
+    "05": {"cp2": ("bf16-20", ["--cp", 2]), "tp2-sp": ("bf16-16", ["--tp", 2, "--sp"]),
+           "cp2-fp16": ("fp16", ["--cp", 2])},
+    "06": {"pp2-zb-h1": ("bf16-20", ["--pp", 2, "--pp-schedule", "zb-h1"]),
+           "pp2-1f1b": ("bf16-16", ["--pp", 2]), "pp2-fp16": ("fp16", ["--pp", 2])},
+    "07": {"dp2-ep2": ("bf16-20", ["--dp", 2, "--ep", 2]),
+           "dp2-ep2-bf16-16": ("bf16-16", ["--dp", 2, "--ep", 2]),
+           "dp2-ep2-fp16": ("fp16", ["--dp", 2, "--ep", 2])},
+    "08": {"dp2-overlap": ("bf16-20", ["--dp", 2, "--dp-mode", "overlap"]),
+           "dp2-zero1": ("bf16-20", ["--dp", 2, "--zero-stage", 1]),
+           "dp2-zero2": ("bf16-16", ["--dp", 2, "--zero-stage", 2]),
+           "pp2-fp16": ("fp16", ["--pp", 2])}}
+RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
+        for trainer, runs in TRAINERS.items() for name, (precision, flags) in runs.items()}
+# measured on a 2-core CPU (gloo), the largest over the runs: losses 3.5e-4 apart, parameters 0.046 of how far
+# they moved (cp2 under bf16-20; TP's, CP's and EP's split sums round differently in bf16)
+LOSS_APART, PARAMS_APART = 1e-3, 0.1
+PLANNED = {"bf16-16": "mixed", "bf16-20": "mixed-fp32-grads", "fp16": "fp32"}   # 08's planner's rows
+
+
+@contextlib.contextmanager
+def overflow_at_step_2(here: bool):
+    """fp16's overflow, forced where it starts: step 2's backward, on this rank only (`here`), starts from
+    S·inf. Every rank must then skip step 2 and halve S, as one device does: its gradients reach the
+    others through the collectives of backward and of the gradient reduction, and the norm that decides
+    the skip is reduced over every group holding different gradients."""
+    cls = mixed_precision.MixedPrecisionOptimizer
+    scale, step = cls.scale, cls.step
+
+    def scaled(self, loss):
+        return scale(self, loss) * (float("inf") if here and getattr(self, "steps_taken", 0) == 1 else 1.0)
+
+    def counted(self, grad_norm=None):
+        step(self, grad_norm)
+        self.steps_taken = getattr(self, "steps_taken", 0) + 1
+    cls.scale, cls.step = scaled, counted
+    try:
+        yield
+    finally:
+        cls.scale, cls.step = scale, step
+
+
+def _numbers(records, state):
+    return dict(losses=[r["loss"] for r in records], scales=[r.get("loss_scale") for r in records],
+                skipped=[r.get("skipped", False) for r in records], state=state)
+
+
+def _trainer_run(run):
+    """On every rank: one trainer under one layout; losses, S and skips per step, its (named) parameters."""
+    import torch.distributed as dist
+    trainer, precision, flags = run
+    dtype, precision_flags = PRECISIONS[precision]
+    dp = flags[flags.index("--dp") + 1] if "--dp" in flags else 1
+    argv = common.argv(*flags, *precision_flags, *(MOE if trainer == "07" else []), "--grad-clip", 0, steps=2,
+                       mbs=1, grad_acc=2 // dp, dtype=dtype)
+    module = import_module({"02": "02_data_parallel", "04": "04_tensor_parallel", "06": "06_pipeline",
+                            "05": "05_sequence_context_parallel", "07": "07_expert_parallel",
+                            "08": "08_5d_combined"}[trainer] + ".train")
+    with overflow_at_step_2(here=precision == "fp16" and dist.get_rank() == 1):
+        records, model, *rest = module.main(argv)
+    state = (rest[0].grad_sync.full_state_dict(model) if trainer == "08" else model.state_dict())
+    if trainer in ("06", "08"):
+        state = {import_module("06_pipeline.pipeline").single_device_name(k): v for k, v in state.items()}
+    return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}),
+                dtype=str(next(model.parameters()).dtype),
+                tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
+                states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
+                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs():
+    from harness import run_layouts
+    return run_layouts(_trainer_run, RUNS, 2, timeout=300)
+
+
+def _initial_state(moe):
+    """The seeded initial parameters (fp32) of 01's model, or 07's MoE model, before any step."""
+    trainer = import_module("07_expert_parallel.train" if moe else "01_single_gpu.train")
+    args, config, _ = cli.setup(trainer.build_parser(), common.argv(*(MOE if moe else [])), lambda *_: None)
+    model = build.build_model(args, config)
+    if moe:
+        moe_module = import_module("07_expert_parallel.moe")
+        moe_module.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,
+                             **moe_module.extras(args))
+    return {k: v.detach().float() for k, v in build.materialize(model, args).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def single_device_precisions(single_device_layouts):
+    """(precision, moe) -> 01's (07's for the MoE) numbers for mbs 1 × grad_acc 2 (the bf16 dense ones are
+    `single_device_layouts`'), and how far its parameters moved from their initial values."""
+    out = {}
+    for moe in (False, True):
+        initial = _initial_state(moe)
+        for precision, (dtype, flags) in PRECISIONS.items():
+            if precision != "fp16" and not moe:
+                losses, state = single_device_layouts[precision]
+                numbers = dict(losses=losses, scales=[None, None], skipped=[False, False], state=state)
+            else:
+                trainer = import_module("07_expert_parallel.train" if moe else "01_single_gpu.train")
+                with overflow_at_step_2(here=precision == "fp16"):
+                    records, model = trainer.main(common.argv(*flags, *(MOE if moe else []), "--grad-clip", 0,
+                                                              steps=2, mbs=1, grad_acc=2, dtype=dtype))[:2]
+                numbers = _numbers(records, model.state_dict())
+            numbers["state"] = {k: v.detach().float() for k, v in numbers["state"].items()}
+            numbers["moved"] = sum(float((v - initial[k]).norm() ** 2)
+                                   for k, v in numbers["state"].items()) ** 0.5
+            out[precision, moe] = numbers
+    return out
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trainer_runs,
+                                                                            single_device_precisions, run):
+    """02, 04-08 on 2 ranks under bf16-16, bf16-20 and fp16 against 01 (07 for the MoE) under the same
+    layout and global batch. fp16: the overflow forced on rank 1 in step 2 (`overflow_at_step_2`) is skipped
+    on both ranks, and both log 01's loss scales (1024, then 2048 for the skipped step). Data-parallel runs
+    and pipelines compute each micro-batch as 01 does and sum two addends (see the ZeRO test above): their
+    parameters are 01's bitwise. TP, CP and EP split the matmuls and attention, so bf16's rounding differs:
+    losses within LOSS_APART, the parameters' distance to 01's within PARAMS_APART of how far 01's moved (the
+    measure of test_bf16_layouts_train_close_to_fp32; measured values beside the constants); fp16 under
+    data parallelism too (a rank's fp16 backward of its own rows rounds apart from 01's). The weights
+    are held in bf16 under bf16-16/20 (fp32 under fp16's autocast), on every rank."""
+    from harness import layout_results
+    from test_tensor_parallel import shard_like
+    trainer, precision, flags = RUNS[run]
+    ref = single_device_precisions[precision, trainer == "07"]
+    exact = not {"--tp", "--cp", "--ep"} & set(flags) and not (precision == "fp16" and "--dp" in flags)
+    for rank, got in enumerate(layout_results(trainer_runs, run)):
+        assert got["dtype"] == ("torch.float32" if precision == "fp16" else "torch.bfloat16"), rank
+        assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"], f"rank {rank}"
+        if precision == "fp16":
+            assert got["skipped"] == [False, True] and got["scales"] == [1024, 2048]
+        apart = 0.0
+        for name, local in got["state"].items():
+            local = torch.from_numpy(local)
+            want = shard_like(ref["state"][name], local, *got["tp"])
+            assert not exact or torch.equal(local, want), f"{run} rank {rank}: {name}"
+            apart += float((local - want).norm() ** 2)
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= LOSS_APART, f"rank {rank}"
+        assert apart ** 0.5 <= PARAMS_APART * ref["moved"], f"rank {rank}"
+        if trainer == "08":      # the memory report's (weights, gradients, optimizer) == the planner's row
+            args = cli.parse_args(planner.build_parser(), common.argv(
+                *flags, "--precision", PLANNED[precision], mbs=1, grad_acc=1 if "--dp" in flags else 2),
+                files=False)
+            memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args),
+                                          common.SEQ_LEN, args.mbs, args.grad_acc, got["pp_rank"])
+            planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
+            if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
+                planned[1] = got["states"][1]     # 08 counts the full .grad held before ZeRO-2 frees it
+            assert list(got["states"]) == planned, rank
