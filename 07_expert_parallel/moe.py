@@ -7,14 +7,8 @@ Playbook §2.7 (Mixtral, Jiang et al. 2024; Switch Transformer, Fedus et al. 202
     w_e = p_e / Σ_{j∈S} p_j  (k ≥ 2, Mixtral);   w_e = p_e  (k = 1, Switch: the router keeps a gradient)
     y = Σ_{e∈S, kept} w_e · expert_e(x) + shared(x)     expert_e = 01's SwiGLU; shared: DeepSeekMoE's
 Dropless by default: the layer is an exact function of its input, so any split of the batch gives the
-same numbers. `--capacity-factor F` keeps ⌈F·T·k/E⌉ rows per expert per sequence (GShard's groups: no
-split of the batch changes which). Side losses, per sequence (no split changes them either):
-
-    aux = E · Σ_i f_i · P_i,  f_i = #{choices to i}/(T·k),  P_i = Σ_t p_i(t)/T     (Switch, α)
-    z   = mean_t logsumexp(x_t · Wgᵀ)²                                             (ST-MoE, β)
-
-and the block returns (y, α·aux + β·z), which the model adds to the task loss. Under 08's context
-parallelism `stats_group` sums aux's statistics over the cp ranks first (`SumOverRanks`).
+same numbers. `--capacity-factor F` keeps ⌈F·T·k/E⌉ rows per expert per sequence, and the block returns
+(y, α·aux + β·z), the side losses the model adds to the task loss: both per sequence, in routing.py.
 The experts are stored stacked (`Experts`: gate/up (E, F, C), down (E, C, F), 01's per-expert names
 kept in checkpoints and state_dict), and `experts_fn(experts, rows, counts)` runs them on rows grouped by
 expert, one batched matmul per projection reading the weights in place (expert_parallel.py swaps in the
@@ -31,12 +25,12 @@ import math
 from importlib import import_module
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 global_state = import_module("01_single_gpu.global_state")
 materialize = import_module("01_single_gpu.materialize")
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
+routing = import_module("07_expert_parallel.routing")
 
 
 class Experts(nn.Module):
@@ -115,71 +109,6 @@ def run_experts(experts, rows, counts):
     return (hidden @ experts.down_proj.transpose(1, 2))[expert_of_row, slot]          # (E, M, C) -> (n, C)
 
 
-class SumOverRanks(torch.autograd.Function):
-    """Forward: x summed over `group`; backward: the gradient summed over `group` too.
-
-    Why the backward sums (08: every rank of a cp group holds T/cp tokens of the same sequences): the
-    summed S = Σ_c s_c feeds an identical aux on each of the cp ranks, and 08 averages gradients over the
-    cp·dp replicas, i.e. differentiates L = (1/(cp·dp))·Σ_{c,d} L_{c,d}. Rank c's own s_c reaches every
-    copy, so ∂L/∂s_c = (1/(cp·dp))·Σ_{c'} ∂L_{c'}/∂S: the sum over the group of the gradients arriving
-    at S (the 1/(cp·dp) is 08's averaging). An identity backward (04's reduce region) would give the
-    router 1/cp of its aux gradient; the test against one device tells the two apart.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def router_z_loss(logits):
-    """ST-MoE's z-loss (Zoph et al. 2022 §3.1): mean over tokens of logsumexp(logits)²; (B, T, E) -> ().
-    It keeps the router's logits small, where float32/bf16 softmax rounds least; ∂/∂logits = 2·lse·p/N."""
-    return logits.logsumexp(dim=-1).pow(2).mean()
-
-
-def within_capacity(chosen, capacity: int, num_experts: int):
-    """chosen (B, T, k) -> kept (B, T, k) bool: each sequence sends at most `capacity` rows to an expert.
-
-    GShard's groups (§2.2; Lepikhin et al. 2020), one group per sequence, so the rows a layout drops
-    never depend on which sequences share a rank or a micro-batch. Priority: every token's first choice
-    before any second choice (GShard's top-2 order), then position in the sequence.
-    """
-    B, T, k = chosen.shape
-    queue = chosen.transpose(1, 2).reshape(B, k * T)                         # (B, k·T): choice-major
-    onehot = torch.nn.functional.one_hot(queue, num_experts)                 # (B, k·T, E)
-    place = (onehot.cumsum(dim=1) - 1).gather(2, queue.unsqueeze(-1)).squeeze(-1)   # (B, k·T): 0, 1, …
-    return (place < capacity).view(B, k, T).transpose(1, 2)                  # (B, T, k)
-
-
-def load_balancing_loss(probs, chosen, stats_group=None):
-    """Per-sequence E·Σ_i f_i·P_i, averaged over sequences. probs (B, T, E), chosen (B, T, k) -> ().
-
-    With a `stats_group` each rank holds T/cp tokens of every sequence (probs (B, T/cp, E)): the
-    statistics are summed over the group first, so every rank gets the whole sequences' aux.
-    """
-    B, T, E = probs.shape
-    k = chosen.shape[-1]
-    ones = probs.new_ones(B, T * k)
-    routed = probs.new_zeros(B, E).scatter_add_(1, chosen.view(B, T * k), ones)   # (B, E) choices per expert
-    prob_sum = probs.sum(dim=1)                                              # (B, E)
-    if stats_group is not None:
-        dist.all_reduce(routed, group=stats_group)                           # (B, E) whole sequences; no grad
-        prob_sum = SumOverRanks.apply(prob_sum, stats_group)                 # (B, E)
-        T = T * dist.get_world_size(stats_group)                             # the whole sequence's tokens
-    f = routed / (T * k)                                                     # (B, E), rows sum to 1
-    P = prob_sum / T                                                         # (B, E)
-    return E * (f * P).sum(-1).mean()
-
-
 class MoE(nn.Module):
     """Router + E experts; a drop-in for a DecoderLayer's `mlp`: (B, T, C) -> ((B, T, C), α·aux), the
     layer's output and its α-weighted load-balancing loss, which the model adds to the task loss."""
@@ -229,7 +158,7 @@ class MoE(nn.Module):
         # end exercise
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         if self.capacity_factor:       # rows over capacity are not computed: output 0 (the residual only)
-            kept = within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
+            kept = routing.within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
             order = kept[expert_of_row[kept].argsort(stable=True)]          # (n_kept,) kept rows by expert
         else:
             order = expert_of_row.argsort(stable=True)                       # (n,) rows grouped by expert
@@ -247,9 +176,9 @@ class MoE(nn.Module):
             y = y + self.shared_experts(x)                                   # (B, T, C), every token
         side = 0.0
         if self.aux_loss_coef:
-            side = self.aux_loss_coef * load_balancing_loss(probs, chosen, self.stats_group)
+            side = self.aux_loss_coef * routing.load_balancing_loss(probs, chosen, self.stats_group)
         if self.router_z_loss:
-            side = side + self.router_z_loss * router_z_loss(logits)
+            side = side + self.router_z_loss * routing.router_z_loss(logits)
         return y, side
 
 

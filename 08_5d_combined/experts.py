@@ -9,7 +9,7 @@ not carry over to pipeline stages, tensor and context parallelism is done here:
     on the last stage and attaches it to the activations sent on elsewhere (gradient 1/m); the logged
     loss is the sum over the stages (`sum_over_stages`), averaged over the cp×dp replicas;
   * under CP every block's `stats_group` is the cp group, so the per-sequence statistics are summed
-    over the ranks that split each sequence (`moe.SumOverRanks`, whose backward is an all-reduce too);
+    over the ranks that split each sequence (`routing.SumOverRanks` (07), whose backward is an all-reduce too);
     expert gradients are summed over expert_dp (dp/ep and cp) and divided by cp·dp;
   * the gradient norm: ‖g‖² = ‖dense‖² (04's: tp shards summed once, stages summed)
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).

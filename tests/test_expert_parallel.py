@@ -36,6 +36,7 @@ modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 moe = import_module("07_expert_parallel.moe")
+routing = import_module("07_expert_parallel.routing")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
 train07 = import_module("07_expert_parallel.train")
 
@@ -96,7 +97,7 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     torch.testing.assert_close(block(x)[1], sum(per_sequence) / 2, **EXACT)   # mean over sequences
     uniform = torch.full((1, 4, E), 1 / E, dtype=torch.float64)
     balanced = torch.tensor([[[0, 1], [2, 3], [1, 0], [3, 2]]])               # every expert chosen twice
-    assert moe.load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
+    assert routing.load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
 
     dense = modeling.LlamaForCausalLM(LAYER).double()
     upcycled = copy.deepcopy(dense)
@@ -188,13 +189,13 @@ def test_capacity_drops_per_sequence_first_choices_first_and_shared_experts_add(
         for j, t in ((j, t) for j in range(2) for t in range(4)):
             e = int(chosen[b, t, j])
             kept[b, t, j], taken[e] = taken[e] < 2, taken[e] + 1
-    assert torch.equal(moe.within_capacity(chosen, 2, E), kept) and not kept.all()
+    assert torch.equal(routing.within_capacity(chosen, 2, E), kept) and not kept.all()
 
     block = moe.MoE(LAYER, E, K, capacity_factor=0.5, shared_experts=1).double()
     x = layer_inputs(2)[0][1]                                                 # (2, 5, C)
     probs = block.gate(x).softmax(-1)
     top_p, top_e = probs.topk(K, dim=-1)
-    keep = moe.within_capacity(top_e, block.capacity(5), E)                  # ⌈0.5·5·2/4⌉ = 2 rows
+    keep = routing.within_capacity(top_e, block.capacity(5), E)                  # ⌈0.5·5·2/4⌉ = 2 rows
     expected = block.shared_experts(x).clone()
     for b, t in ((b, t) for b in range(2) for t in range(5)):
         for j, (p, e) in enumerate(zip(top_p[b, t] / top_p[b, t].sum(), top_e[b, t])):
