@@ -12,7 +12,7 @@ New compared with planner.py's table: the reasons, in the words of the rules tha
 """
 from importlib import import_module
 
-cli = import_module("01_single_gpu.cli")
+cli_checks = import_module("01_single_gpu.cli_checks")
 search = import_module("08_5d_combined.search")
 planner = import_module("08_5d_combined.planner")
 
@@ -133,7 +133,7 @@ def check_search(args):
             raise ValueError(f"{flag} {value}: a comma-separated list of {', '.join(allowed.split())}")
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot {args.plot}: the plot is a PNG; name the file *.png")
-    cli.check_output_file(args.plot, "--plot")
+    cli_checks.check_output_file(args.plot, "--plot")
 
 
 def main(args, parser):

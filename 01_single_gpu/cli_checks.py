@@ -1,0 +1,123 @@
+"""The checks of cli.parse_args: every flag's value, and every file the flags name, before training.
+
+They run on every rank before any process group exists, so a mistake ends the run in one line from
+rank 0 naming the fix, not in a hang: `check_values` (numbers out of range, flags that need another one),
+`check_inputs` (the outputs can be written; the data source, tokenizer, --init-from directory and the
+checkpoint to resume exist and look right, none of them loaded). Each raises a ValueError that cli turns
+into the line.
+"""
+import math
+import os
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import torch
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_values(args):
+    """Values that cannot be right, and flags that need another one: a ValueError naming the flag."""
+    optional = [n for n in ("lr_decay_steps", "vocab_size") if getattr(args, n) is not None]
+    for name in ["steps", "seq_len", "mbs", "grad_acc", "log_every", "hidden_size", "intermediate_size",
+                 "num_layers", "num_heads", "num_kv_heads", *optional]:
+        if getattr(args, name) < 1:
+            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
+    for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
+    for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(args, name)}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be 0 or more (a finite number), got {args.weight_decay}")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise ValueError(f"--grad-clip must be 0 (off) or positive (a finite number), got {args.grad_clip}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    if args.profile and args.steps < 3:
+        raise ValueError(f"--profile records from the 3rd step on (1 skipped, 1 warm-up): pass --steps 3 or more, "
+                         f"got {args.steps}")
+    for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
+        if getattr(args, name) and not args.checkpoint_dir:
+            raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
+    if args.eval_batches < 1:
+        raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
+    if not args.eval_every:   # no held-out split: training reads the whole dataset (--resume compares it)
+        args.eval_batches = 0
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
+                         "there: pass one of them")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+
+
+def check_inputs(args):
+    """The files the flags name, without loading them: the outputs can be written, the data source, the
+    tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says."""
+    cli, sources = import_module("01_single_gpu.cli"), import_module("01_single_gpu.sources")
+    hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
+    modeling = import_module("01_single_gpu.model")
+    check_output_file(args.json_log, "--json-log")
+    if args.profile:
+        check_output_folder(args.profile, "--profile")
+    check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
+    if args.plot:
+        check_output_folder(args.plot, "--plot")
+    if args.tensorboard:
+        check_output_folder(args.tensorboard, "--tensorboard")
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes its event files)
+        except ImportError:
+            raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
+    sources.check_tokenizer(args.tokenizer)
+    if args.init_from:
+        hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)
+    if args.checkpoint_dir:
+        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if args.resume:
+            world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
+            resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+            args.resume_step, args.run_id = resumed.step, resumed.run_id
+            for step, problem in resumed.skipped:
+                cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
+                           f"resuming from step {resumed.step}", file=sys.stderr)
+        else:
+            checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+
+
+def global_batch_of(args) -> int:
+    """dp·mbs·grad_acc sequences (a trainer without --dp is a world of one replica)."""
+    return getattr(args, "dp", 1) * args.mbs * args.grad_acc
+
+
+def check_output_file(path, flag: str, suffixes=()):
+    """A file the run will write: its folder exists and is writable, and it is not itself a folder."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file path such as {path / 'run.jsonl'}")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {path}: the format comes from the suffix: use {', '.join(suffixes[:-1])} "
+                         f"or {suffixes[-1]}")
+    check_output_folder(path.parent, flag, of=path)
+
+
+def check_output_folder(folder, flag: str, of=None):
+    """A folder the run writes into (created if missing): the nearest existing ancestor is a writable folder."""
+    folder, what = Path(folder), f"{flag} {of or folder}"
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{what}: {folder} is a file, not a folder" if of else
+                         f"{flag} {folder} is a file: pass a folder (it is created if missing)")
+    existing = next(p for p in [folder, *folder.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{what}: {existing} is a file, not a folder")
+    if of is not None and existing != folder:
+        raise ValueError(f"{what}: the folder {folder} does not exist: create it or pass another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: no permission to write in {existing}: pass another path")
