@@ -4,7 +4,7 @@ In-process (float32, exact): a meta model sliced by TP (any rank of tp 4), by EP
 from an HF directory holds, once materialised, exactly the slices of 01's materialised model: a value
 depends only on (seed, name) or on the file, never on the layout (materialize.py).
 
-Measured (RSS, one step of a ~227M-parameter Llama: 24 layers of 768, 12 heads, FFN 3072): each rank's
+Measured (RSS, one step of a ~114M-parameter Llama: 12 layers of 768, 12 heads, FFN 3072): each rank's
 peak RSS grows, while it builds and trains, by less than half of what one full fp32 replica and its AdamW
 states need (12 bytes per parameter: 4 + 8, so the bound is 6Ψ), for ZeRO-3 over dp 4 and for tp 4; 01 on
 the same model grows by more. And while building, a rank holds its own parameters plus about one full
@@ -113,7 +113,7 @@ def test_upcycling_reads_the_dense_mlp(tmp_path):
             assert torch.equal(p, dense_layer.mlp.get_parameter(f"{name}.weight").expand_as(p)), name
 
 
-BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 24, "--num-heads", 12, "--num-kv-heads",
+BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 12, "--num-heads", 12, "--num-kv-heads",
        12, "--seq-len", 8, "--mbs", 1, "--steps", 1, "--warmup-steps", 1, "--no-progress"]
 
 
@@ -137,7 +137,7 @@ def peak_memory(tmp_path, module, ranks, *flags):
 
 @pytest.mark.timeout(900)
 def test_sharded_ranks_hold_a_fraction_of_the_model(tmp_path):
-    psi = 24 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768) + 2 * 320 * 768 + 768         # parameters
+    psi = 12 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768) + 2 * 320 * 768 + 768         # parameters
     bound = 6 * psi                                  # half of an fp32 replica (4Ψ) and its AdamW states (8Ψ)
     largest = 3072 * 768 * 4                         # bytes of the biggest full tensor (gate/up/down)
     for what, runs in (("zero-3 dp 4", peak_memory(tmp_path, "03_zero.train", 4, "--dp", 4, "--zero-stage", 3)),
