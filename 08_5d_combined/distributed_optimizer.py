@@ -57,15 +57,20 @@ class DistributedOptimizer:
     """ZeRO over the process grid: dense units over cp×dp, expert units over expert_dp; the pipeline's
     `grad_sync` (forward and backward contexts) and the calls of 08's step."""
 
-    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=(), grad_dtype=None):
-        """`grad_dtype`: 01's bf16-20 accumulation dtype (fp32 buffers under bf16 weights; 03's ZeRO)."""
-        self.grid, self.stage, self.norm_ids = grid, stage, {id(p) for p in norm_weights}
+    def __init__(self, stages, grid, stage: int, expert_view=None, norm_weights=(), grad_dtype=None,
+                 source=None):
+        """`grad_dtype`: 01's bf16-20 accumulation dtype (fp32 buffers under bf16 weights; 03's ZeRO).
+        `source`: stage 3 on meta stages (01's materialize.Source): each unit's shard is drawn from it
+        one parameter at a time, so the stage never exists whole on the rank (03's flat_unit.py)."""
+        # by global name: stage 3 replaces the meta parameters by views of its units (new Parameters)
+        self.grid, self.stage, self.norm_names = grid, stage, {p.global_name for p in norm_weights}
         blocks = moe.moe_blocks(expert_view) if expert_view is not None else []
         experts = [p for block in blocks for p in block.experts.parameters()]
         self.dense = zero.ZeRO(stage_units(stages), grid.cp_dp_group, stage, exclude=experts, pipelined=True,
-                               before_reduce=self.sum_over_tp, grad_dtype=grad_dtype)
+                               before_reduce=self.sum_over_tp, source=source, grad_dtype=grad_dtype)
         self.experts = (zero.ZeRO([block.experts for block in blocks], grid.expert_dp_group, stage,
-                                  divisor=grid.cp_size * grid.dp_size, pipelined=True, grad_dtype=grad_dtype)
+                                  divisor=grid.cp_size * grid.dp_size, pipelined=True, source=source,
+                                  grad_dtype=grad_dtype)
                         if experts else None)
         self.zeros = [z for z in (self.dense, self.experts) if z is not None]
         self.chunk_units = []              # per chunk: [(zero, its units in it)], for stage 3's gathers
@@ -110,8 +115,8 @@ class DistributedOptimizer:
     def sum_over_tp(self, params):
         """Before their reduce-scatter: SP's norm gradients summed over tp (each tp rank saw T/(cp·tp) of
         the tokens, 05) and each replicated kv head's over the ranks holding it (04)."""
-        sequence_parallel.all_reduce_norm_gradients([p for p in params if id(p) in self.norm_ids],
-                                                    self.grid.tp_group)
+        norms = [p for p in params if p.global_name in self.norm_names]
+        sequence_parallel.all_reduce_norm_gradients(norms, self.grid.tp_group)
         tensor_parallel.all_reduce_kv_replica_gradients(params)
 
     def finish_gradients(self):

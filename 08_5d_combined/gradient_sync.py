@@ -117,15 +117,16 @@ class DataParallelSync:
         return {k: v.detach().clone() for k, v in stages.state_dict().items()}
 
 
-def make(stages, dense, expert_params, norm_weights, grid, args):
+def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
     """(the gradient synchronisation of --zero-stage and --dp-mode for this rank's stage chunks, 01's
     MixedPrecisionOptimizer over what it steps). Built together: under DP the optimizer comes first, as
     bf16-20's hooks (fp32 accumulation) must run before DP's, which reduce those fp32 buffers; ZeRO keeps
-    bf16-20's fp32 gradients in its own buffers (03's `grad_dtype`)."""
+    bf16-20's fp32 gradients in its own buffers (03's `grad_dtype`). `source` (01's materialize.Source):
+    where ZeRO-3 draws the values of the stages' meta parameters, only its shards."""
     if args.zero_stage:
         view = experts.stage_view(stages) if args.num_experts else None
         sync = distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights,
-                                                          mixed_precision.layout_of(args).accumulation)
+                                                          mixed_precision.layout_of(args).accumulation, source)
         return sync, mixed_precision.MixedPrecisionOptimizer(sync.shards, args, hooks=False)
     optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,

@@ -140,13 +140,15 @@ def run(args, config, dataset, grid):
     device = build.device_of(args)
     full = build.build_model(args, config)                 # 1. on meta, kernels applied: shapes only
     stages = layout.parallelize(full, args, grid, device)  # 2-5. TP/SP, CP, MoE/EP, PP, recompute (shapes)
-    build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
+    source = build.source(full, args)                      # values by global name and block (01)
+    if args.zero_stage < 3:                                # only this rank's shards of its stages get values;
+        build.materialize(full, args, keep=stages.parameters())   # ZeRO-3 draws only its flat shards (6.)
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
     dropped = experts.count_dropped(stages, []) if args.capacity_factor else []   # rows over capacity (07)
-    sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args)   # 6. DP or
-    #                                                        ZeRO, and 01's AdamW (fp32 masters) on its shards
+    sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args,   # 6. DP or
+                                         source)        # ZeRO, and 01's AdamW (fp32 masters) on its shards
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)

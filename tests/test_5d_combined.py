@@ -61,7 +61,8 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import redirect_stdout
+import weakref
+from contextlib import contextmanager, redirect_stdout
 from importlib import import_module
 
 import pytest
@@ -76,6 +77,7 @@ from test_tensor_parallel import LOSS, PARAMS, shard_like
 
 modeling = import_module("01_single_gpu.model")
 memory = import_module("01_single_gpu.memory")
+materialize = import_module("01_single_gpu.materialize")
 recompute = import_module("01_single_gpu.recompute")
 schedules = import_module("06_pipeline.schedules")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -117,22 +119,49 @@ def _train(flag_set):
     logged, log_dropped = [], experts.log_dropped                  # the dropped rows 08 logs (MoE, capacity)
     experts.log_dropped = lambda *args: logged.append(log_dropped(*args)) or logged[-1]
     try:
-        records, stages, pipe, everyone = combined.main(
-            common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
+        with _values_held() as built:
+            records, stages, pipe, everyone = combined.main(
+                common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
     finally:
         experts.log_dropped = log_dropped
+    units = [u for z in getattr(pipe.grad_sync, "zeros", []) for u in z.units]
     mine = everyone[torch.distributed.get_rank()]
     sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
             for dim, groups in GROUPS.items()}
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 eval_losses=[r.get("eval_loss") for r in records], dropped=logged,
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
-                events=list(pipe.grad_sync.events), gathered=mine["gathered"],
+                events=list(pipe.grad_sync.events), gathered=mine["gathered"], built=built["peak"],
+                unit=max((u.padded * u.full.element_size() for u in units), default=0),   # the largest
                 shard_grads=memory.held_bytes(u.shard_grad for z in getattr(pipe.grad_sync, "zeros", [])
                                               for u in z.units),                 # ZeRO-2/3's (U/N,) each
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()},
                 checkpoints=_checkpoint_peaks(extra, stages, pipe, mbs, grad_acc))
+
+
+@contextmanager
+def _values_held():
+    """While building (and training): the most bytes of parameter values that 01's Source.values returned
+    (each one parameter's block at its full size: every rank's parameters get their values through it)
+    held alive at once, in `peak`; a value counts until its storage is freed."""
+    held, values = dict(live=0, peak=0), materialize.Source.values
+
+    def freed(nbytes):
+        held["live"] -= nbytes
+
+    def counted(source, p):
+        out = values(source, p)
+        storage = out.untyped_storage()
+        held["live"] += storage.nbytes()
+        held["peak"] = max(held["peak"], held["live"])
+        weakref.finalize(storage, freed, storage.nbytes())
+        return out
+    materialize.Source.values = counted
+    try:
+        yield held
+    finally:
+        materialize.Source.values = values
 
 
 def _checkpoint_peaks(extra, stages, pipe, mbs, grad_acc):
@@ -275,7 +304,9 @@ def _check_in_backward(run, layout, extra, whole, what):
     dense gradient (overlap), bucket (bucket) or unit (ZeRO-2/3) is sent from a hook in its chunk's last
     B or W, none left for finish_gradients (a sync on every pass or none differs from 01, a sync before
     the last pass loses gradients); ZeRO-3 holds its whole stage gathered at its peak: the units stay
-    from a chunk's first forward to its last backward."""
+    from a chunk's first forward to its last backward. But while building, before any gather, a ZeRO-3
+    rank held at most one unit's values at full size (03's flat units drawn from meta parameters, one
+    parameter at a time): less than its stage, which it never materialises whole."""
     events = run["events"]
     finish = events.index(("finish", None))
     sent = "launch" if "overlap" in extra or "bucket" in extra else "reduce_scatter"
@@ -285,6 +316,8 @@ def _check_in_backward(run, layout, extra, whole, what):
         assert len(before) == sum(1 for e in events if e[0] == "grad"), what
     if layout.zero_stage == 3:
         assert run["gathered"] == whole, what        # the stage's parameter bytes (no padding at these sizes)
+        # while building, a rank held its shards and at most one unit's values at full size, never its stage
+        assert 0 < run["built"] <= run["unit"] < whole, (what, run["built"], run["unit"], whole)
 
 
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
