@@ -140,9 +140,9 @@ def run(args, config, dataset, grid):
     device = build.device_of(args)
     full = build.build_model(args, config)                 # 1. on meta, kernels applied: shapes only
     stages = layout.parallelize(full, args, grid, device)  # 2-5. TP/SP, CP, MoE/EP, PP, recompute (shapes)
-    source = build.source(full, args)                      # values by global name and block (01)
-    if args.zero_stage < 3:                                # only this rank's shards of its stages get values;
-        build.materialize(full, args, keep=stages.parameters())   # ZeRO-3 draws only its flat shards (6.)
+    source = build.source(full, args) if args.zero_stage == 3 else None   # ZeRO-3 (6.) draws only its flat
+    if source is None:                                     # shards from it, by global name and block (03)
+        build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense

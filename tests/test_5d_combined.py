@@ -25,7 +25,8 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
              with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
              experts (expert units reduced after the schedule); each also shows its reduction ran inside
-             the schedule (`_check_in_backward`)
+             the schedule (`_check_in_backward`), and each ZeRO-3 run that it held, while building, at
+             most one unit's values at full size, never its stage (`_values_held`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding

@@ -8,7 +8,8 @@ which AdamW's m/√v carries into the weights of the resumed run; 1e-5 relative 
 below a wrong piece (a swapped TP block, a missing moment: the loss moves in the 3rd digit).
 The pairs cross every kind of state a layout holds: ZeRO-3's flat shards → one device; one device →
 tp2 × pp2 (08); ZeRO-1 over a pipeline (08's distributed optimizer, pieces that cross parameters and
-TP blocks) → tp2 × dp2 (04); and 07's experts over ep2 → 07 on one device. Then the 04 checkpoint is
+TP blocks) → tp2 × dp2 (04); 08's ZeRO-3 over a pipeline (shards drawn from meta stages) → 08's ZeRO-3
+over tp2 × dp2; and 07's experts over ep2 → 07 on one device. Then the 04 checkpoint is
 exported (export_hf.py) and transformers' Llama gives the project's logits (float32: 1e-5), and
 generate.py decodes the same greedy tokens from the checkpoint and from its export.
 """
@@ -92,6 +93,10 @@ CASES = {   # id: ((module, flags, world) that saves, (module, flags, world) tha
     "zero1-dp2-pp2-to-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 1, "--mbs", 1,
                                                            "--grad-acc", 2], 4),
                                  ("04_tensor_parallel.train", ["--tp", 2, "--dp", 2, "--mbs", 2], 4)),
+    "zero3-dp2-pp2-to-zero3-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 3,
+                                                                 "--mbs", 1, "--grad-acc", 2], 4),
+                                       ("08_5d_combined.train", ["--tp", 2, "--dp", 2, "--zero-stage", 3,
+                                                                 "--mbs", 2], 4)),
 }
 
 
