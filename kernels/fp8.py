@@ -11,14 +11,15 @@ Playbook §2.1 "Mixed precision" (FP8 pretraining), Micikevicius et al. 2022 (FP
   3. `Fp8Linear`: y = Q(x)·Q(W)ᵀ (e4m3), dX = Q(dY)·Q(W), dW = Q(dY)ᵀ·Q(x) (dY e5m2), simulated: the
      FP8 values (torch.float8_* dtypes, storage-only on a CPU) are widened and multiplied in fp32, as a
      tensor core multiplies FP8 inputs exactly and accumulates in fp32; FP8 copies are what is saved
-  4. `scaled_mm`: the real FP8 GEMM (torch._scaled_mm, per-tensor scales), only on a CUDA device of
-     compute capability >= 8.9 (Ada, Hopper); never run on this project's CPU machines
+  4. `scaled_mm`: the real FP8 GEMM (torch._scaled_mm, per-tensor scales): on a CUDA device of compute
+     capability >= 8.9 (Ada, Hopper; untested in this project, no GPU), or torch's CPU kernel (tested)
   5. the measurement: relative errors against fp32, beside bf16's, for both scalings
 
     python kernels/fp8.py          # the error table (kernels/README.md shows a run)
 
 New compared with 01's bf16: 1-byte operands, and the scale each one needs.
 """
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,20 +119,35 @@ def fp8_linear(x, weight, scaling="block"):
 
 
 # ======================================================================================
-# 4. the real FP8 GEMM (GPU of compute capability >= 8.9 only; untested in this project)
+# 4. the real FP8 GEMM (CUDA of compute capability >= 8.9, untested here; torch's CPU kernel)
 # ======================================================================================
 def fp8_gemm_available(device) -> bool:
+    """torch._scaled_mm runs here: CUDA of compute capability >= 8.9, or a torch whose CPU build has it."""
     device = torch.device(device)
-    return (device.type == "cuda" and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm"))
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu" and _cpu_kernel()
+
+
+@functools.cache
+def _cpu_kernel() -> bool:
+    one, e4m3 = torch.ones((), dtype=torch.float32), torch.ones(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(e4m3, e4m3.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return True
+    except (RuntimeError, NotImplementedError):   # "not implemented for 'CPU'" in builds without it
+        return False
 
 
 def scaled_mm(x, weight, out_dtype=torch.bfloat16):
     """x (N, K), W (M, K) -> (N, M) on the FP8 tensor cores, e4m3 with one scale per tensor (N, K, M
     multiples of 16). torch._scaled_mm wants its second operand column-major: Wᵀ of a row-major W is."""
     if not fp8_gemm_available(x.device):
-        raise RuntimeError("torch._scaled_mm needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper): "
-                           "use fp8_linear, the simulation, elsewhere")
+        raise RuntimeError(f"torch._scaled_mm does not run on {x.device}: it needs a CUDA GPU of compute "
+                           f"capability >= 8.9 (Ada, Hopper) or a CPU build with its kernel; use fp8_linear, "
+                           f"the simulation, elsewhere")
     xq, xs = quantize(x, "e4m3")
     wq, ws = quantize(weight, "e4m3")
     out = torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()),
@@ -187,9 +203,9 @@ def main():
         x, w, _ = sample()
         x, w = x.to(device), w.to(device)
         error = relative_error(scaled_mm(x, w), x @ w.t())
-        print(f"torch._scaled_mm (per tensor, e4m3, bf16 out): y error {error:.2e}")
+        print(f"torch._scaled_mm on {device} (per tensor, e4m3, bf16 out): y error {error:.2e}")
     else:
-        print("torch._scaled_mm: no CUDA GPU of compute capability >= 8.9 here, not run")
+        print(f"torch._scaled_mm: does not run on {device} here, not run")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ The bounds come from the formats, not from a run: rounding to nearest keeps a no
 2^-(m+1) of itself (e4m3: m = 3, 1/16; e5m2: m = 2, 1/8) and a subnormal within half its spacing,
 2^(emin-m-1), times the tile's scale. A product of two rounded operands is then within the sum of their
 errors times the other operand, so |y8 - y| <= |Δx|·|W8|ᵀ + |x|·|ΔW|ᵀ elementwise, plus fp32 rounding
-of the sums (1e-5 of |x|·|W|ᵀ). The real FP8 GEMM (torch._scaled_mm) needs a GPU of compute capability
->= 8.9: here it must refuse, naming why.
+of the sums (1e-5 of |x|·|W|ᵀ). The real FP8 GEMM (torch._scaled_mm) runs on torch's CPU kernel here
+and must equal the simulation; on a GPU of compute capability >= 8.9 it is untested (no GPU).
 """
 import pytest
 import torch
@@ -53,9 +53,19 @@ def test_fp8_linear_forward_backward_bounds_and_scalings():
         assert max(errs[2:]) < fp8.FORMATS["e5m2"].unit_roundoff
 
 
-def test_scaled_mm_refuses_without_an_fp8_gpu():
-    """The real FP8 GEMM runs only on CUDA with compute capability >= 8.9; on the CPU it says so."""
+def test_scaled_mm_is_the_simulated_product_and_refuses_where_it_cannot_run(monkeypatch):
+    """torch._scaled_mm (torch's CPU kernel here; a GPU's tensor cores elsewhere, untested) multiplies the
+    same e4m3 values with the same per-tensor scales as the simulation: with an fp32 output they differ
+    only by the order of the fp32 sums; with bf16 output by one bf16 rounding (2^-8). This checks the
+    call: Wᵀ column-major, 0-d fp32 scales, the fp8 dtype. A device it cannot run on gets the error."""
     x, w, _ = fp8.sample(n=32, k=128, m=64)
-    assert not fp8.fp8_gemm_available("cpu")
+    assert fp8.fp8_gemm_available("cpu")
+    xq, xs = fp8.quantize(x, "e4m3")
+    wq, ws = fp8.quantize(w, "e4m3")
+    simulated = fp8.dequantize(xq, xs) @ fp8.dequantize(wq, ws).t()                  # (32, 64), fp32
+    scale = (fp8.dequantize(xq, xs).abs() @ fp8.dequantize(wq, ws).abs().t())       # |x8|·|W8|ᵀ
+    assert ((fp8.scaled_mm(x, w, out_dtype=torch.float32) - simulated).abs() <= 1e-5 * scale).all()
+    assert ((fp8.scaled_mm(x, w) - simulated).abs() <= 2.0 ** -8 * simulated.abs() + 1e-5 * scale).all()
+    monkeypatch.setattr(fp8, "_cpu_kernel", lambda: False)                        # a build without it
     with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
         fp8.scaled_mm(x, w)
