@@ -15,6 +15,7 @@ model, in this order (each needs the previous one's result):
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
 New compared with 05's layout.py: every folder's rules and transforms, in one order.
 """
+import contextlib
 import os
 from importlib import import_module
 
@@ -73,3 +74,15 @@ def parallelize(full, args, grid, device):
     partition_activations.apply_recompute(full, args.recompute, args.partition_activations,   # 5. the stages
                                           grid.tp_group)                                  # hold these layers
     return stages
+
+
+@contextlib.contextmanager
+def world_size(n: int):
+    """check_degrees reads the world from WORLD_SIZE (torchrun's); the planner checks a layout in a world
+    of its degrees' product."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)

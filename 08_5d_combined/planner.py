@@ -31,8 +31,6 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
-import contextlib
-import os
 from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
@@ -42,7 +40,6 @@ memory = import_module("01_single_gpu.memory")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
 pipeline = import_module("06_pipeline.pipeline")
 schedules = import_module("06_pipeline.schedules")
-timeline = import_module("06_pipeline.timeline")
 layout_rules = import_module("08_5d_combined.layout")
 
 # Each --precision is the layout a trainer holds (01's mixed_precision.py, whose table gives the weights,
@@ -259,67 +256,18 @@ def layout_of(args) -> Layout:
                   precision=args.precision)
 
 
-@contextlib.contextmanager
-def world_size(n: int):
-    """The trainers check the degrees against WORLD_SIZE (torchrun's); the planner's world is their
-    product."""
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(n)
-    try:
-        yield
-    finally:
-        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
-
-
 def main(argv=None):
     parser = build_parser()
     args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
     if args.search:
         return import_module("08_5d_combined.search_report").main(args, parser)
     search, layout = import_module("08_5d_combined.search"), layout_of(args)
-    world = args.dp * args.pp * args.cp * args.tp
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
         config = search.model_config(args)
         search.check_rules(args, config)               # the trainers' degree rules (ZeRO: any stage)
     except ValueError as error:
         parser.error(str(error))
-    m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
-    total = sum(stage_parameters(config, Layout(num_experts=args.num_experts), 0))   # whole model, one rank
-    print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
-          f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
-          f"({'+'.join(map(str, STATE_BYTES[args.precision]))} bytes/param: the trainers' "
-          f"{TRAINER_LAYOUT[args.precision]} layout, 01_single_gpu/mixed_precision.py)")
-    print(f"model: {total / 1e9:.3f}B parameters, h {config.hidden_size}, L {config.num_hidden_layers}, "
-          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, ffn {config.intermediate_size}, "
-          f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")
-    mem = {s: stage_memory(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
-    com = {s: stage_communication(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
-    totals = {s: sum(v for k, v in mem[s].items() if k != "held") for s in stages}
-    unit, scale, label = ("GB", 1e9, "1e9") if max(totals.values()) >= 1e9 else ("MB", 1e6, "1e6")  # decimal
-    header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
-    print(f"\nper rank ({unit} = {label} bytes)" + header)
-    for key in ("parameters", "gradients", "optimizer", "activations", "logits"):
-        print(f"  {key:<24}" + "".join(f"{mem[s][key] / scale:>14.3f}" for s in stages))
-    print(f"  {'total':<24}" + "".join(f"{totals[s] / scale:>14.3f}" for s in stages))
-    if args.gpu_mem:
-        print(f"  {'fits in ' + format(args.gpu_mem, 'g') + ' GB':<24}" +
-              "".join(f"{'yes' if totals[s] <= args.gpu_mem * 1e9 else 'DOES NOT FIT':>14}" for s in stages))
-    print(f"communication sent per rank per step ({unit})")
-    for dim in ("tp", "cp", "pp", "dp", "ep"):
-        print(f"  {dim:<24}" + "".join(f"{com[s][dim] / scale:>14.4f}" for s in stages))
-    if args.pp > 1:
-        print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
-              f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")
-    if args.peak_tflops and args.bw_intra and args.bw_inter:
-        bw = bandwidths(layout, args.gpus_per_node, args.bw_intra * 1e9, args.bw_inter * 1e9)
-        ratios = overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
-        print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
-        for dim, r in ratios.items():
-            where = "intra" if bw[dim] == args.bw_intra * 1e9 else "inter"
-            print(f"  {dim:<8}{r:>10.3f}  ({where}-node){'  EXPOSED' if r > 1 else ''}")
-    else:
-        print("overlap ratios: give --peak-tflops, --bw-intra and --bw-inter (GB/s)")
-    return mem, com
+    return import_module("08_5d_combined.plan_report").print_plan(args, config, layout)
 
 
 if __name__ == "__main__":

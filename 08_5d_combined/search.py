@@ -123,7 +123,7 @@ def check_rules(args, config, **degrees):
         config = SimpleNamespace(**{k: getattr(config, k) for k in (
             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "hidden_size")}, tie_word_embeddings=False)
-    with planner.world_size(trial.dp * trial.pp * trial.cp * trial.tp):
+    with layout_rules.world_size(trial.dp * trial.pp * trial.cp * trial.tp):
         layout_rules.check_degrees(trial, config)
 
 

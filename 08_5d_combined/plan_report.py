@@ -1,0 +1,55 @@
+"""What planner.py prints for one layout: per rank of the first and last pipeline stage, the memory
+(weights, gradients, optimizer states, activations, logits) and whether it fits, the bytes each
+dimension sends per step, the bubble, and the overlap ratios with their EXPOSED marks.
+
+The arithmetic is planner.py's; this file only lays it out.
+
+    python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 --pp 2
+"""
+from importlib import import_module
+
+planner = import_module("08_5d_combined.planner")
+timeline = import_module("06_pipeline.timeline")
+
+
+def print_plan(args, config, layout):
+    """Print the plan of `layout` for the parsed flags; returns ({stage: memory}, {stage: bytes sent})."""
+    world = args.dp * args.pp * args.cp * args.tp
+    m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
+    whole = planner.Layout(num_experts=args.num_experts)                          # the whole model on one rank
+    total = sum(planner.stage_parameters(config, whole, 0))
+    print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
+          f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
+          f"({'+'.join(map(str, planner.STATE_BYTES[args.precision]))} bytes/param: the trainers' "
+          f"{planner.TRAINER_LAYOUT[args.precision]} layout, 01_single_gpu/mixed_precision.py)")
+    print(f"model: {total / 1e9:.3f}B parameters, h {config.hidden_size}, L {config.num_hidden_layers}, "
+          f"heads {config.num_attention_heads}/{config.num_key_value_heads}, ffn {config.intermediate_size}, "
+          f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")
+    mem = {s: planner.stage_memory(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+    com = {s: planner.stage_communication(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+    totals = {s: sum(v for k, v in mem[s].items() if k != "held") for s in stages}
+    unit, scale, label = ("GB", 1e9, "1e9") if max(totals.values()) >= 1e9 else ("MB", 1e6, "1e6")  # decimal
+    header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
+    print(f"\nper rank ({unit} = {label} bytes)" + header)
+    for key in ("parameters", "gradients", "optimizer", "activations", "logits"):
+        print(f"  {key:<24}" + "".join(f"{mem[s][key] / scale:>14.3f}" for s in stages))
+    print(f"  {'total':<24}" + "".join(f"{totals[s] / scale:>14.3f}" for s in stages))
+    if args.gpu_mem:
+        print(f"  {'fits in ' + format(args.gpu_mem, 'g') + ' GB':<24}" +
+              "".join(f"{'yes' if totals[s] <= args.gpu_mem * 1e9 else 'DOES NOT FIT':>14}" for s in stages))
+    print(f"communication sent per rank per step ({unit})")
+    for dim in ("tp", "cp", "pp", "dp", "ep"):
+        print(f"  {dim:<24}" + "".join(f"{com[s][dim] / scale:>14.4f}" for s in stages))
+    if args.pp > 1:
+        print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
+              f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")
+    if args.peak_tflops and args.bw_intra and args.bw_inter:
+        bw = planner.bandwidths(layout, args.gpus_per_node, args.bw_intra * 1e9, args.bw_inter * 1e9)
+        ratios = planner.overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
+        print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
+        for dim, r in ratios.items():
+            where = "intra" if bw[dim] == args.bw_intra * 1e9 else "inter"
+            print(f"  {dim:<8}{r:>10.3f}  ({where}-node){'  EXPOSED' if r > 1 else ''}")
+    else:
+        print("overlap ratios: give --peak-tflops, --bw-intra and --bw-inter (GB/s)")
+    return mem, com
