@@ -42,14 +42,10 @@ class OptimizerOffload:
         self.shards = list(shards)                                     # on the compute device
         self.master, self.grads = [], []                               # on the host, same shapes (n,)
         for shard in self.shards:
-            pin = shard.is_cuda          # page-locked memory: asynchronous copies (pinning needs CUDA)
-            dtype = master_dtype or shard.dtype
-            master = torch.nn.Parameter(torch.empty(shard.shape, dtype=dtype, pin_memory=pin))
-            with torch.no_grad():
-                master.copy_(shard)
+            master = torch.nn.Parameter(host_copy(shard, master_dtype))
             master.__dict__.update(shard.__dict__)   # `decays` (the decay group), `segments` (checkpoints)
             self.master.append(master)
-            self.grads.append(torch.empty(shard.shape, dtype=dtype, pin_memory=pin))
+            self.grads.append(torch.empty_like(master, pin_memory=shard.is_cuda))
 
     @torch.no_grad()
     def gradients_to_host(self):
@@ -137,8 +133,10 @@ class ParameterOffload(zero.ZeRO):
                 memory.held_bytes(u.shard_grad for u in self.units), memory.optimizer_state_bytes(optimizer))
 
 
-def host_copy(tensor):
-    """A host tensor of its own with tensor's values: page-locked when the device is a GPU."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+@torch.no_grad()
+def host_copy(tensor, dtype=None):
+    """A host tensor of its own with tensor's values (in `dtype`, if given): page-locked when the device is a
+    GPU, so that copies to and from it are asynchronous DMA transfers (pinning needs CUDA)."""
+    host = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, pin_memory=tensor.is_cuda)
     host.copy_(tensor)
     return host
