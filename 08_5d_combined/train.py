@@ -64,10 +64,7 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07): the
     optimizer.step(grad_norm)                        #   same on every rank, so are fp16's skipped steps
     sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
-    if args.num_experts:                             # every stage holds a share of the loss (its aux)
-        return experts.sum_over_stages(loss, micro_batches[0][0].device, grid), grad_norm
-    return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
-                                   grid.pp_group, grid.cp_dp_group, grid.cp_size * grid.dp_size), grad_norm
+    return global_loss(loss, micro_batches[0][0].device, pipe, grid, args), grad_norm
 
 
 def eval_step(pipe, micro_batches, grid, args):
@@ -76,7 +73,12 @@ def eval_step(pipe, micro_batches, grid, args):
     device = micro_batches[0][0].device
     with torch.no_grad(), build.autocast(args, device):
         loss = schedules.forward_only(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])
-    if args.num_experts:
+    return global_loss(loss, device, pipe, grid, args)
+
+
+def global_loss(loss, device, pipe, grid, args):
+    """The global batch's mean loss on every rank, from this rank's share of it."""
+    if args.num_experts:                             # every stage holds a share of the loss (its aux)
         return experts.sum_over_stages(loss, device, grid)
     return pipeline.broadcast_loss(loss, device, grid.pp_ranks[pipe.loss_rank], grid.pp_group,
                                    grid.cp_dp_group, grid.cp_size * grid.dp_size)
