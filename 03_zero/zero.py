@@ -201,7 +201,8 @@ class ZeRO:
 
     def _reduce_scatter(self, unit):
         self.before_reduce(unit.params)
-        flat = unit.shard_grad.new_zeros(unit.padded)                         # (U,) in the gradients' dtype
+        flat = torch.zeros(unit.padded, dtype=unit.shard_grad.dtype,           # (U,) in the gradients' dtype,
+                           device=unit.full.device)                   # where the gradients are (not the host)
         for p, view in zip(unit.params, unit.views(flat)):
             if p.grad is not None:
                 view.copy_(p.grad)
