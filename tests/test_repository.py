@@ -42,3 +42,10 @@ def test_every_cited_erratum_is_explained_in_the_readme():
     assert {"E6", "E16"} <= {erratum for _, _, erratum in cited}        # the pattern finds the citations
     missing = [f"{name}:{number}: {erratum}" for name, number, erratum in sorted(cited) if erratum not in explained]
     assert not missing, "\n".join(missing)
+
+
+def test_readme_gpu_figures_are_generated_from_the_committed_results():
+    """No GPU figure is typed by hand: the README's section is what kernels/report.py makes of the
+    results files (rerun `python kernels/report.py --write` after committing new ones)."""
+    from importlib import import_module
+    assert import_module("kernels.report").section() in (ROOT / "README.md").read_text()
