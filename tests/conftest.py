@@ -1,10 +1,16 @@
+import os
 import sys
 from importlib import import_module
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # tests/harness.py, tests/common.py
+if not torch.cuda.is_available():
+    # Triton reads it when kernels/ is first imported, by whichever test module comes first (test_fp8
+    # imports kernels/ before test_kernels would set it); spawned ranks inherit it
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
