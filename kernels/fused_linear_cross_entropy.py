@@ -9,7 +9,7 @@ the LM-head weight W (V, C) and targets (N,), ignore_index = −100, processed i
 
 Playbook chapter 4, "fused kernels" + online softmax (§4.0.7-4.0.8); Liger-Kernel (Hsu et al. 2024).
 Eager holds ≈ N·V·(b + 4 + 4) bytes of logits at its peak; fused, one float32 chunk (chunk·V·4, with
-chunk·V ≈ N·C by default) plus dh (N·C·b) and a float32 dW (V·C·4). FLOPs 6·N·V·C, as eager. The
+chunk·V ≈ N·C by default, at least 1024 rows) plus dh (N·C·b) and a float32 dW (V·C·4). FLOPs 6·N·V·C, as eager. The
 gradients are computed inside the forward (the softmax that gives the loss gives dlogits), so backward
 only scales the stored dh, dW; under torch.no_grad the gradient GEMMs are skipped. The trade-offs and
 a worked Llama-3-8B example: kernels/README.md.
@@ -76,9 +76,14 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
         tl.store(logits_row + cols, tl.where(valid, grad, 0.0), mask=cols < V)
 
 
+MIN_CHUNK_ROWS = 1024   # thinner chunks re-read W (V, C) three times each, and their GEMMs starve the tensor cores
+
+
 def default_chunk(n_tokens: int, hidden_size: int, vocab: int) -> int:
-    """Rows per chunk such that chunk·V ≈ N·C: the logits chunk costs about what h already costs."""
-    return min(triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab, hidden_size))), n_tokens)
+    """Rows per chunk such that chunk·V ≈ N·C (the logits chunk costs about what h already costs), but
+    at least MIN_CHUNK_ROWS: each chunk reads all of W for its three GEMMs (kernels/README.md)."""
+    rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab, hidden_size)))
+    return min(max(rows, MIN_CHUNK_ROWS), n_tokens)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -99,7 +104,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             if need_grad:                                         # logits now holds dloss_rows/dlogits
                 dlogits = logits.to(hidden.dtype)                                        # (chunk, V)
                 grad_hidden[start:start + chunk] = dlogits @ weight                      # (chunk, C)
-                grad_weight += (dlogits.t() @ h_c).float()                               # (V, C)
+                grad_weight += dlogits.t() @ h_c           # (V, C), added in fp32 without an fp32 copy
         # Mean over the tokens that count. n_valid stays a tensor: no host sync. If every token is
         # ignored this is 0/0 = nan, as with F.cross_entropy.
         n_valid = (targets != ignore_index).sum().float()
