@@ -237,6 +237,12 @@ TRAINERS = {
     "08": {"dp2-overlap": ("bf16-20", ["--dp", 2, "--dp-mode", "overlap"]),
            "dp2-zero1": ("bf16-20", ["--dp", 2, "--zero-stage", 1]),
            "dp2-zero2": ("bf16-16", ["--dp", 2, "--zero-stage", 2]),
+           "dp2-zero3-bf16-20": ("bf16-20", ["--dp", 2, "--zero-stage", 3]),
+           "pp2-1f1b-zero2-bf16-20": ("bf16-20", ["--pp", 2, "--zero-stage", 2]),
+           "pp2-zb-h1-zero3-bf16-20": ("bf16-20", ["--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 3]),
+           "tp2-sp-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 1]),
+           "tp2-sp-zero2-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 2]),
+           "tp2-kv1-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--num-kv-heads", 1, "--zero-stage", 1]),
            "pp2-fp16": ("fp16", ["--pp", 2])}}
 RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
         for trainer, runs in TRAINERS.items() for name, (precision, flags) in runs.items()}
@@ -293,6 +299,7 @@ def _trainer_run(run):
                 dtype=str(next(model.parameters()).dtype),
                 tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
                 states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
+                gathered=rest[-1][dist.get_rank()]["gathered"] if trainer == "08" else 0,  # ZeRO-3's peak
                 pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)
 
 
@@ -302,10 +309,19 @@ def trainer_runs():
     return run_layouts(_trainer_run, RUNS, 2, timeout=300)
 
 
-def _initial_state(moe):
+def _model_flags(trainer, flags):
+    """The flags that change the model itself, which the single-device reference takes too: 07's experts, or
+    fewer kv heads (one: tp 2 holds each kv head twice, 04's replicas)."""
+    if trainer == "07":
+        return tuple(MOE)
+    return tuple(flags[flags.index("--num-kv-heads"):][:2]) if "--num-kv-heads" in flags else ()
+
+
+def _initial_state(model_flags):
     """The seeded initial parameters (fp32) of 01's model, or 07's MoE model, before any step."""
+    moe = model_flags == tuple(MOE)
     trainer = import_module("07_expert_parallel.train" if moe else "01_single_gpu.train")
-    args, config, _ = cli.setup(trainer.build_parser(), common.argv(*(MOE if moe else [])), lambda *_: None)
+    args, config, _ = cli.setup(trainer.build_parser(), common.argv(*model_flags), lambda *_: None)
     model = build.build_model(args, config)
     if moe:
         moe_module = import_module("07_expert_parallel.moe")
@@ -316,25 +332,28 @@ def _initial_state(moe):
 
 @pytest.fixture(scope="module")
 def single_device_precisions(single_device_layouts):
-    """(precision, moe) -> 01's (07's for the MoE) numbers for mbs 1 × grad_acc 2 (the bf16 dense ones are
-    `single_device_layouts`'), and how far its parameters moved from their initial values."""
+    """(precision, model flags) -> 01's (07's for the MoE) numbers for mbs 1 × grad_acc 2 (the bf16 dense
+    ones are `single_device_layouts`'), and how far its parameters moved from their initial values."""
     out = {}
-    for moe in (False, True):
-        initial = _initial_state(moe)
+    needed = {(precision, _model_flags(trainer, flags)) for trainer, precision, flags in RUNS.values()}
+    for model_flags in {m for _, m in needed}:
+        initial, moe = _initial_state(model_flags), model_flags == tuple(MOE)
         for precision, (dtype, flags) in PRECISIONS.items():
-            if precision != "fp16" and not moe:
+            if (precision, model_flags) not in needed:
+                continue
+            if precision != "fp16" and not model_flags:
                 losses, state = single_device_layouts[precision]
                 numbers = dict(losses=losses, scales=[None, None], skipped=[False, False], state=state)
             else:
                 trainer = import_module("07_expert_parallel.train" if moe else "01_single_gpu.train")
                 with overflow_at_step_2(here=precision == "fp16"):
-                    records, model = trainer.main(common.argv(*flags, *(MOE if moe else []), "--grad-clip", 0,
+                    records, model = trainer.main(common.argv(*flags, *model_flags, "--grad-clip", 0,
                                                               steps=2, mbs=1, grad_acc=2, dtype=dtype))[:2]
                 numbers = _numbers(records, model.state_dict())
             numbers["state"] = {k: v.detach().float() for k, v in numbers["state"].items()}
             numbers["moved"] = sum(float((v - initial[k]).norm() ** 2)
                                    for k, v in numbers["state"].items()) ** 0.5
-            out[precision, moe] = numbers
+            out[precision, model_flags] = numbers
     return out
 
 
@@ -349,13 +368,20 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
     losses within LOSS_APART, the parameters' distance to 01's within PARAMS_APART of how far 01's moved (the
     measure of test_bf16_layouts_train_close_to_fp32; measured values beside the constants); fp16 under
     data parallelism too (a rank's fp16 backward of its own rows rounds apart from 01's). The weights
-    are held in bf16 under bf16-16/20 (fp32 under fp16's autocast), on every rank."""
+    are held in bf16 under bf16-16/20 (fp32 under fp16's autocast), on every rank. Under TP a weight both
+    ranks hold whole (the norm gains, a kv head at tp > kv heads) gets one gradient, summed over tp where
+    each rank saw part of it (SP, 04's replicas), so it stays bitwise equal on both: a sum left out moves
+    AdamW's ±lr updates too little to leave the tolerances, but splits the copies."""
     from harness import layout_results
     from test_tensor_parallel import shard_like
     trainer, precision, flags = RUNS[run]
-    ref = single_device_precisions[precision, trainer == "07"]
+    ref = single_device_precisions[precision, _model_flags(trainer, flags)]
     exact = not {"--tp", "--cp", "--ep"} & set(flags) and not (precision == "fp16" and "--dp" in flags)
-    for rank, got in enumerate(layout_results(trainer_runs, run)):
+    results = layout_results(trainer_runs, run)
+    for name, local in results[0]["state"].items() if "--tp" in flags else ():
+        if local.shape == tuple(ref["state"][name].shape):          # not split over tp
+            assert (local == results[1]["state"][name]).all(), f"{run}: {name} differs between the tp ranks"
+    for rank, got in enumerate(results):
         assert got["dtype"] == ("torch.float32" if precision == "fp16" else "torch.bfloat16"), rank
         assert got["skipped"] == ref["skipped"] and got["scales"] == ref["scales"], f"rank {rank}"
         if precision == "fp16":
@@ -375,6 +401,8 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
             memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args),
                                           common.SEQ_LEN, args.mbs, args.grad_acc, got["pp_rank"])
             planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
+            held = list(got["states"])
             if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
-                planned[1] = got["states"][1]     # 08 counts the full .grad held before ZeRO-2 frees it
-            assert list(got["states"]) == planned, rank
+                planned[1] = held[1]              # 08 counts the full .grad held before ZeRO-2 frees it
+                held[0] += got["gathered"] if "--pp" in flags else 0   # ZeRO-3 under PP: its stage at the peak
+            assert held == planned, rank
