@@ -93,6 +93,14 @@ def accumulate(p, buffer):
     p.grad.zero_()
 
 
+def main_grad(p):
+    """The tensor holding p's gradient: its fp32 `main_grad` where ZeRO keeps one beside a bf16 parameter
+    (bf16-20: a view of the unit's flat fp32 buffer), else .grad. Megatron-LM's name, read the same way by
+    its finalize_model_grads (the tp sums of SP's norms and of replicated weights run on it)."""
+    grad = getattr(p, "main_grad", None)
+    return p.grad if grad is None else grad
+
+
 class LossScaler:
     """Dynamic loss scaling (Micikevicius et al. §3.2, as torch.amp.GradScaler): S halves on an overflow
     (that step is skipped), doubles after `window` steps in a row without one."""
@@ -193,9 +201,8 @@ class MixedPrecisionOptimizer:
         if not overflow:
             copies = self.masters is not self.params and not self.hooked
             for p, m in zip(self.params, self.masters) if copies else []:   # bf16-16: an fp32 copy for
-                grad = getattr(p, "main_grad", None)                        # the step; ZeRO's fp32 buffer
-                grad = p.grad if grad is None else grad                     # (bf16-20): an alias
-                m.grad = None if grad is None else grad.to(m.dtype)
+                grad = main_grad(p)                                         # the step; ZeRO's fp32 buffer
+                m.grad = None if grad is None else grad.to(m.dtype)         # (bf16-20): an alias
             self.optimizer.step()
             for p, m in zip(self.params, self.masters) if self.masters is not self.params else []:
                 p.copy_(m)                                                  # rounded to the weights' dtype

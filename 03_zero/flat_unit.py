@@ -21,6 +21,7 @@ from importlib import import_module
 import torch
 
 global_state = import_module("01_single_gpu.global_state")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 optim = import_module("01_single_gpu.optim")
 
 
@@ -71,7 +72,36 @@ class FlatUnit:
         self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
         self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
         self.grad_views = grad_dtype == self.shard.dtype  # stage 1: .grad can be a view of grad_full
+        if not self.grad_views and stage == 1:
+            self._point_main_grads()
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
+
+    # bf16-20 (grad_views False): a bf16 .grad cannot be a view of an fp32 buffer, so each backward's bf16
+    # .grad is added into the parameter's `main_grad`, a view of the unit's fp32 grad_full (U,) (Megatron's
+    # main_grad; 01's hook), and what reduces, clips and sums over tp reads that (01's `main_grad`)
+    def accumulate(self, p):
+        """The post-accumulate-grad hook of p (bf16-20): its bf16 .grad added into its fp32 main_grad, zeroed.
+        Stage 1 keeps grad_full for good; stages 2-3 allocate it at the unit's first gradient of the step (a
+        pipeline chunk's micro-batches add up in it until its last backward, 08) and their reduce-scatter
+        takes it (`release_main_grads`)."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.full.device)
+            self._point_main_grads()
+        mixed_precision.accumulate(p, p.main_grad)
+
+    def _point_main_grads(self):
+        for p, view in zip(self.params, self.views(self.grad_full)):
+            p.main_grad = view
+
+    def release_main_grads(self):
+        """Stages 2-3 (bf16-20), at the unit's reduce-scatter: (U,) the fp32 sums of the step's micro-batches
+        (zeros if no gradient reached the unit), which the unit and its parameters let go of."""
+        flat = self.grad_full if self.grad_full is not None else torch.zeros(
+            self.padded, dtype=self.shard_grad.dtype, device=self.full.device)
+        for p in self.params:
+            p.__dict__.pop("main_grad", None)
+        self.grad_full = None
+        return flat
 
     def views(self, flat):
         return [flat[a:b].view_as(p) for p, a, b in zip(self.params, self.offsets, self.offsets[1:])]

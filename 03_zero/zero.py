@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
 comm = import_module("02_data_parallel.comm")
 flat_unit = import_module("03_zero.flat_unit")
 
@@ -78,12 +77,11 @@ class ZeRO:
         self.in_flight, self.events, self.callback_queued = [], [], False
         self.gathered_bytes = self.peak_gathered_bytes = 0       # stage 3: full units held (measured)
         for unit in self.units:
-            for p, view in zip(unit.params, unit.views(unit.grad_full) if stage == 1 else unit.params):
+            for p in unit.params:           # (hooks run in the order registered)
+                if not unit.grad_views:     # bf16-20: each backward's bf16 .grad added into fp32, zeroed
+                    p.register_post_accumulate_grad_hook(unit.accumulate)
                 if stage > 1:
                     p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
-                elif not unit.grad_views:   # bf16-20: each micro-batch's bf16 .grad added into fp32, zeroed
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, view=view: mixed_precision.accumulate(p, view))
             if stage == 3 and not pipelined:
                 # The embedding's input (token ids) needs no gradient, so its backward pre-hook fires on the
                 # output gradient alone: exactly what stage 3 wants. torch warns about it; silenced here.
@@ -200,12 +198,15 @@ class ZeRO:
             self._reduce_scatter(unit)
 
     def _reduce_scatter(self, unit):
-        self.before_reduce(unit.params)
-        flat = torch.zeros(unit.padded, dtype=unit.shard_grad.dtype,           # (U,) in the gradients' dtype,
-                           device=unit.full.device)                   # where the gradients are (not the host)
-        for p, view in zip(unit.params, unit.views(flat)):
-            if p.grad is not None:
-                view.copy_(p.grad)
+        self.before_reduce(unit.params)       # on .grad, or bf16-20's fp32 main_grad (01's main_grad)
+        if unit.grad_views:                   # (U,) in the gradients' dtype, where they are (not the host)
+            flat = torch.zeros(unit.padded, dtype=unit.shard_grad.dtype, device=unit.full.device)
+            for p, view in zip(unit.params, unit.views(flat)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+        else:                                 # bf16-20: (U,) fp32, every backward since the last reduce-
+            flat = unit.release_main_grads()  # scatter added in (08: all of a pipeline chunk's micro-batches)
+        for p in unit.params:
             p.grad = None                     # the full-size gradient is freed right away
         if self.stage == 3:
             unit.free()                       # backward through this unit is over

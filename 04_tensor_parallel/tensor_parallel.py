@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 materialize = import_module("01_single_gpu.materialize")
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 comm = import_module("02_data_parallel.comm")
 process_grid = import_module("02_data_parallel.process_grid")
 
@@ -241,10 +242,12 @@ def replicated_kv(weight, tp_rank, tp_size, num_kv_heads, replica_group):
 
 @torch.no_grad()
 def all_reduce_kv_replica_gradients(params):
-    """Sum the gradients of replicated key/value heads over the ranks holding the same head."""
+    """Sum the gradients of replicated key/value heads over the ranks holding the same head (in .grad, or
+    in ZeRO's fp32 `main_grad` under bf16-20: 01's `main_grad`)."""
     for p in params:
-        if getattr(p, "kv_replicas", 1) > 1 and p.grad is not None:
-            dist.all_reduce(p.grad, group=p.replica_group)              # (hd, C) summed over the replicas
+        grad = mixed_precision.main_grad(p)
+        if getattr(p, "kv_replicas", 1) > 1 and grad is not None:
+            dist.all_reduce(grad, group=p.replica_group)                # (hd, C) summed over the replicas
 
 
 def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):

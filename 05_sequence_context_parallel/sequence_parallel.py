@@ -25,6 +25,7 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
+mixed_precision = import_module("01_single_gpu.mixed_precision")
 comm = import_module("02_data_parallel.comm")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 
@@ -98,8 +99,9 @@ def norm_weights(model):
 
 @torch.no_grad()
 def all_reduce_norm_gradients(norm_weights, tp_group):
-    """Sum the norm-weight gradients over tp (each rank saw T/t tokens): one flat all-reduce."""
-    grads = [p.grad for p in norm_weights if p.grad is not None]
+    """Sum the norm-weight gradients over tp (each rank saw T/t tokens): one flat all-reduce. (A ZeRO unit
+    under bf16-20 holds them in fp32 `main_grad`s: 01's `main_grad` reads whichever holds them.)"""
+    grads = [g for g in map(mixed_precision.main_grad, norm_weights) if g is not None]
     if not grads:                          # (08's ZeRO calls it per unit: the embedding's has no norm)
         return
     flat = torch.cat([g.flatten() for g in grads])                         # (Σ numel,)

@@ -12,7 +12,8 @@ chunk runs m forwards and m backwards per step (06's Pipeline says which backwar
     stage 2  in the chunk's last backward (B, or ZB's W): each unit reduce-scattered as it completes
     stage 3  + before the chunk's first forward: its units all-gathered, kept until that reduce-scatter
     then     / N, clip, AdamW, stages 1-2 all-gather; SP's and the kv replicas' sums over tp run on a
-             unit's full gradients just before its reduce-scatter
+             unit's full gradients just before its reduce-scatter (bf16-20: its fp32 buffer, into which
+             a hook added every micro-batch's bf16 .grad: the parameters' `main_grad`, 03's flat_unit.py)
 
     ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖tp-sharded shard‖² + Σ_dp ‖replicated shard‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
 

@@ -51,15 +51,6 @@ def check_gradient_sync(args):
         raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
                          "or use --zero-stage 1 or 2")
     mixed_precision.check_precision(args)
-    if args.precision_layout == "bf16-20" and args.zero_stage > 1:
-        raise ValueError(f"--precision-layout bf16-20 with --zero-stage {args.zero_stage}: under a schedule "
-                         f"a chunk's micro-batches add up in the bf16 .grad until its last backward reduce-"
-                         f"scatters them, not in fp32: use --zero-stage 1, or --precision-layout bf16-16")
-    if args.precision_layout == "bf16-20" and args.zero_stage == 1 and (
-            args.sp or tp_kv_replicas(args) > 1):
-        raise ValueError("--precision-layout bf16-20 with --zero-stage 1 sums SP's norm gradients and "
-                         "replicated kv heads over tp from the bf16 .grad, not the fp32 buffers: use "
-                         "--zero-stage 0 (any --dp-mode), or --precision-layout bf16-16")
 
 
 class DataParallelSync:

@@ -88,13 +88,15 @@ def state_bytes(stages, optimizer, sync):
     """(parameters, gradients, optimizer states) this rank holds after a step, split as the planner's rows:
     parameters from their storages (ZeRO-3: the shards, the full units are freed); gradients one per
     parameter, as large as it (what a step holds at its end before ZeRO-2/3 reduce them), plus bf16-20's
-    fp32 buffers (01's accumulators, or ZeRO-1's flat units); AdamW's states plus bf16's fp32 masters."""
+    fp32 buffers (01's accumulators, ZeRO-1's flat units, or ZeRO-2/3's, held until that reduce-scatter
+    frees them); AdamW's states plus bf16's fp32 masters."""
     params = [p for p in stages.parameters() if p.requires_grad]
-    fp32_grads = [*optimizer.accumulators, *(u.grad_full for z in getattr(sync, "zeros", []) for u in z.units
-                                             if u.grad_full is not None and not u.grad_views)]
+    units = [(z.stage, u) for z in getattr(sync, "zeros", []) for u in z.units if not u.grad_views]
+    fp32_grads = [*optimizer.accumulators, *(u.grad_full for stage, u in units if stage == 1)]
+    freed = sum(u.padded * u.shard_grad.element_size() for stage, u in units if stage > 1)    # (U,) fp32 each
     masters = optimizer.masters if optimizer.masters is not optimizer.params else []
     return (memory.held_bytes([*params, *sync.shards]),
-            memory.tensor_bytes(params) + memory.held_bytes(fp32_grads),
+            memory.tensor_bytes(params) + memory.held_bytes(fp32_grads) + freed,
             memory.optimizer_state_bytes(optimizer) + memory.held_bytes(masters))
 
 
