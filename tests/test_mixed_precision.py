@@ -219,9 +219,10 @@ PRECISIONS = {"bf16-16": ("bfloat16", ["--precision-layout", "bf16-16"]),
               "bf16-20": ("bfloat16", ["--precision-layout", "bf16-20"]),
               "fp16": ("float16", ["--loss-scale-init", 1024, "--loss-scale-window", 1])}
 # trainer -> {layout id: (precision, flags)}, each run the global batch of 2 sequences that 01 trains as mbs 1
-# × grad_acc 2: every --dp-mode and 08's ZeRO-1/2/3 over bf16-20's fp32 buffers (a pp2 chunk's two micro-batches
-# added in fp32 under 1F1B and ZB-H1; SP's and a replicated kv head's sums over tp on them), TP's and SP's
-# collectives on bf16 activations, the pipeline's zero-bubble W passes, the experts' reductions over dp and ep
+# × grad_acc 2: every --dp-mode and 08's ZeRO-1/2/3 over bf16-20's fp32 buffers (a pp2 chunk's two
+# micro-batches added in fp32 under 1F1B and ZB-H1; SP's and a replicated kv head's sums over tp on them),
+# TP's and SP's collectives on bf16 activations, the pipeline's zero-bubble W passes, the experts'
+# reductions over dp and ep
 TRAINERS = {
     "02": {"dp2-bucket": ("bf16-20", ["--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0.002]),
            "dp2-overlap": ("bf16-16", ["--dp", 2, "--dp-mode", "overlap"]),
