@@ -134,35 +134,49 @@ def test_bf16_layouts_train_close_to_fp32(layout_states, layout):
 # ======================================================================================
 # every stage once, both layouts, and both ways ZeRO holds gradients: in the weights' bf16 (bf16-16), or in
 # fp32 buffers beside them (bf16-20: stage 1 through accumulation hooks, stage 3 in its reduce-scatters)
-# (--offload optimizer: the fp32 masters, their gradients and AdamW's states on the host; bf16 shards stay)
+# (--offload optimizer: the fp32 masters, their gradients and AdamW's states on the host; bf16 shards stay;
+# --offload param: ZeRO-3's bf16 shards, their gradients, fp32 masters and AdamW's states, all on the host)
 ZERO_RUNS = {"bf16-16-zero2": ("bf16-16", 2), "bf16-20-zero1": ("bf16-20", 1),
              "bf16-20-zero3": ("bf16-20", 3), "bf16-16-zero2-offload": ("bf16-16", 2, "optimizer"),
-             "bf16-20-zero3-offload": ("bf16-20", 3, "optimizer")}
+             "bf16-20-zero3-offload": ("bf16-20", 3, "optimizer"),
+             "bf16-16-zero3-offload-param": ("bf16-16", 3, "param"),
+             "bf16-20-zero3-offload-param": ("bf16-20", 3, "param")}
+# fp16's loss scaling through both offloads, against ZeRO-2 without offload (the overflow of
+# `overflow_at_step_2`, forced on rank 1)
+FP16_ZERO_RUNS = {"fp16-zero2": ("fp16", 2), "fp16-zero2-offload": ("fp16", 2, "optimizer"),
+                  "fp16-zero3-offload-param": ("fp16", 3, "param")}
 
 
 def _zero_layout(run):
-    layout, stage, offload = (*run, "none")[:3]
+    """On every rank: 03 at dp 2 under one precision (fp16: step 2 overflows on rank 1), its numbers, and the
+    bytes it holds (offloaded: on the device and on the host) with layout.py's formula for them."""
+    precision, stage, offload = (*run, "none")[:3]
     import torch.distributed as dist
     layout_mod = import_module("03_zero.layout")
-    records, zero, model, optimizer, _, host = import_module("03_zero.train").main(common.argv(
-        "--precision-layout", layout, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
-        "--offload", offload, steps=2, mbs=1, dtype="bfloat16"))
+    dtype, flags = PRECISIONS[precision]
+    with overflow_at_step_2(here=precision == "fp16" and dist.get_rank() == 1):
+        records, zero, model, optimizer, _, offloaded = import_module("03_zero.train").main(common.argv(
+            *flags, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage, "--offload", offload,
+            steps=2, mbs=1, dtype=dtype))
+    host = offloaded or (zero if offload == "param" else None)             # what holds the host's bytes
     numel, n = sum(p.numel() for p in model.parameters()), dist.get_world_size()
-    precision = mixed_precision.LAYOUTS[layout]
-    expected = layout_mod.expected_state_bytes(stage, n, zero.padded_bytes, precision, numel)
+    layout = mixed_precision.LAYOUTS["autocast" if precision == "fp16" else precision]
+    expected = layout_mod.expected_state_bytes(stage, n, zero.padded_bytes, layout, numel)
     if host:
-        expected = layout_mod.expected_offload_bytes(offload, stage, n, zero.padded_bytes, precision, numel)
+        expected = layout_mod.expected_offload_bytes(offload, stage, n, zero.padded_bytes, layout, numel)
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
     states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    return dict(losses=[r["loss"] for r in records], state=zero.full_state_dict(model), expected=expected,
+    return dict(_numbers(records, zero.full_state_dict(model)), expected=expected,
                 held=(zero.model_state_bytes(model, optimizer), host.host_bytes(optimizer)) if host else
                 zero.model_state_bytes(model, optimizer),
-                fp32_on_host=host is None or all(t.dtype == torch.float32 for t in [*host.master, *states]))
+                fp32_on_host=host is None or all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                                 for t in [*stepped, *states]))
 
 
 @pytest.fixture(scope="module")
 def zero_dp2():
     from harness import run_layouts
-    return run_layouts(_zero_layout, ZERO_RUNS, 2)
+    return run_layouts(_zero_layout, {**ZERO_RUNS, **FP16_ZERO_RUNS}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +201,9 @@ def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single
     bound that). The memory held per rank is layout.py's formula for the layout, exactly. Offloaded
     (--offload optimizer): the same fp32 AdamW on the same values, converted by the copies instead of on
     the device, so equal too; the device holds the layout's weights and gradients and no optimizer byte,
-    the host the fp32 master, gradient and AdamW states (layout.expected_offload_bytes)."""
+    the host the fp32 master, gradient and AdamW states (layout.expected_offload_bytes). --offload param:
+    ZeRO-3's code on host tensors (the bf16 shard the device gathers is the fp32 master rounded), so equal;
+    the device holds nothing between steps, the host what ZeRO-3 holds of the layout."""
     from harness import layout_results
     layout = ZERO_RUNS[run][0]
     results = layout_results(zero_dp2, run)
@@ -196,6 +212,31 @@ def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single
         assert got["losses"] == losses, f"rank {rank}"
         for name, p in state.items():
             assert got["state"][name].dtype == torch.bfloat16 and torch.equal(got["state"][name], p), name
+        assert got["held"] == got["expected"] and got["fp32_on_host"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("run", [r for r in FP16_ZERO_RUNS if "offload" in r])
+def test_zero_dp2_fp16_with_offload_equals_zero_without_it_and_the_single_device_run(
+        zero_dp2, single_device_precisions, run):
+    """--dtype float16 with --offload optimizer (ZeRO-2) and --offload param (ZeRO-3), dp 2 × mbs 1, step 2's
+    overflow forced on rank 1: both ranks skip step 2 and log 01's loss scales (1024, then 2048 for the
+    skipped step), as 01 and ZeRO-2 without offload do. Equal to ZeRO-2 without offload bit for bit (losses,
+    final parameters): the gradients are unscaled where ZeRO's shards hold them, before the clip, as without
+    offload, and AdamW steps the same fp32 values on host tensors (ZeRO-2 and -3 reduce the same gradients
+    in the same reduce-scatters). Against 01 within LOSS_APART and PARAMS_APART, as the data-parallel fp16
+    runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: layout.py's formula."""
+    from harness import layout_results
+    ref = single_device_precisions["fp16", False]
+    for rank, (got, plain) in enumerate(zip(layout_results(zero_dp2, run), layout_results(zero_dp2, "fp16-zero2"))):
+        assert got["skipped"] == plain["skipped"] == ref["skipped"] == [False, True], f"rank {rank}"
+        assert got["scales"] == plain["scales"] == ref["scales"] == [1024, 2048], f"rank {rank}"
+        assert got["losses"] == plain["losses"], f"rank {rank}"
+        apart = 0.0
+        for name, p in plain["state"].items():
+            assert torch.equal(got["state"][name], p), f"{run} rank {rank}: {name}"
+            apart += float((p.float() - ref["state"][name]).norm() ** 2)
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= LOSS_APART, f"rank {rank}"
+        assert apart ** 0.5 <= PARAMS_APART * ref["moved"], f"rank {rank}"
         assert got["held"] == got["expected"] and got["fp32_on_host"], f"rank {rank}"
 
 
