@@ -185,14 +185,16 @@ class MixedPrecisionOptimizer:
         return loss * self.scaler.scale if self.scaler else loss
 
     @torch.no_grad()
-    def unscale_gradients(self):
+    def unscale_gradients(self, holders=None):
         """÷ S (fp16) in place; returns the tensors whose .grad to clip (the trainer's norm is the overflow
-        check: inf or NaN anywhere makes it non-finite)."""
+        check: inf or NaN anywhere makes it non-finite). `holders`: those tensors, if not the optimizer's
+        (03's --offload optimizer: ZeRO's device shards, whose gradients reach the host masters after the clip)."""
+        holders = self.holders if holders is None else holders
         if self.scaler:
-            for p in self.holders:
+            for p in holders:
                 if p.grad is not None:
                     p.grad.mul_(1.0 / self.scaler.scale)
-        return self.holders
+        return holders
 
     @torch.no_grad()
     def step(self, grad_norm=None):

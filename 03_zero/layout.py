@@ -7,9 +7,10 @@ these numbers. Per rank, Ψ padded elements of e bytes, N ranks, AdamW's 2 state
     stage 1   parameters eΨ      gradients eΨ      optimizer states 2eΨ/N     `expected_state_bytes`
     stage 2   parameters eΨ      gradients eΨ/N    optimizer states 2eΨ/N
     stage 3   parameters eΨ/N    gradients eΨ/N    optimizer states 2eΨ/N
-    offload   optimizer: the device keeps the stage's parameters and gradients, no optimizer state;
-              param (ZeRO-3): nothing between steps (`expected_peak_device_bytes` during one); the host the
-              master or shard eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
+    offload   optimizer: the device keeps the stage's parameters and gradients, no optimizer state; the
+              host the master eΨ/N, its gradient eΨ/N and the states 2eΨ/N   `expected_offload_bytes`
+              param (ZeRO-3): nothing between steps (`expected_peak_device_bytes` during one); the host
+              stage 3's three numbers
 
 `check_zero` and `check_offload` raise every rule's error before any process group exists.
 
@@ -74,23 +75,19 @@ def check_offload(args):
     if args.device == "cuda" and args.on_nonfinite == "skip":
         raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the "
                          f"host with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
-    if getattr(args, "dtype", "float32") == "float16":
-        raise ValueError(f"--dtype float16's loss scaling is not wired through the step of --offload "
-                         f"{args.offload} (it unscales the optimizer's tensors): use --dtype float32 or "
-                         f"bfloat16")
-    if args.offload == "param" and getattr(args, "precision_layout", "autocast") != "autocast":
-        raise ValueError("--offload param steps the host shards themselves, in the weights' dtype: use "
-                         "--precision-layout autocast, or --offload optimizer for bf16-16/bf16-20")
 
 
 def expected_offload_bytes(offload, stage, n, padded_bytes, layout=None, numel=0):
     """ZeRO-Offload's split of the ZeRO paper's numbers (expected_state_bytes), AdamW's 2 states:
     (device parameters, gradients, optimizer states), (host master, gradients, optimizer states).
-    "param" (ZeRO-3): the device keeps nothing between steps; the host the same 1/N as "optimizer"'s.
     A bf16 `layout`: the device keeps what the layout's ZeRO-s keeps but the optimizer's 12Ψ/N; the host
-    the fp32 master 4Ψ/N, its fp32 gradient 4Ψ/N and AdamW's 8Ψ/N (Ψ elements)."""
-    params, grads, _ = expected_state_bytes(stage, n, padded_bytes, layout, numel)
-    device = (0, 0, 0) if offload == "param" else (params, grads, 0)
+    the fp32 master 4Ψ/N, its fp32 gradient 4Ψ/N and AdamW's 8Ψ/N (Ψ elements).
+    "param" (ZeRO-3): the device keeps nothing between steps, the host what ZeRO-3 keeps on the device
+    (the layout's: bf16-16 2Ψ/N, 2Ψ/N, 12Ψ/N; bf16-20 2Ψ/N, 4Ψ/N, 12Ψ/N, the masters with the states)."""
+    params, grads, states = expected_state_bytes(stage, n, padded_bytes, layout, numel)
+    if offload == "param":
+        return (0, 0, 0), (params, grads, states)
+    device = (params, grads, 0)
     if layout is None or layout.master is None:
         master = padded_bytes // n
     else:                                     # weights' bytes w, master m: optimizer bytes 3m per element

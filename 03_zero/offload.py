@@ -12,13 +12,13 @@ parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
                device just before its all-gather and freed with it (2A·eΨ/N host -> device), each
                reduce-scatter's slice added into the host's gradient (A·eΨ/N back); the device keeps
                nothing between steps, at most two neighbouring units gathered and one shard copy during
-               one (layout.expected_peak_device_bytes)
-    host       master or shard eΨ/N + gradient eΨ/N + AdamW's states 2eΨ/N, in both modes
+               one (layout.expected_peak_device_bytes); bf16-16/20: the fp32 masters are host tensors too
+    host       master or shard eΨ/N + gradient eΨ/N + AdamW's states 2eΨ/N (param: ZeRO-3's bytes)
 
-The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's (param: ZeRO-3's bit for
-bit). On a GPU the host tensors are page-locked (pinned) and the copies to the device asynchronous DMA; on
-this CPU-only machine "device" and "host" are both the CPU and the host tensors separate buffers (written
-for GPUs, untested on one here). Worked numbers: 03_zero/README.md.
+The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's (param: ZeRO-3's bit
+for bit; fp16: the gradients are unscaled on ZeRO's shards before the clip, as without offload). On a GPU
+the host tensors are page-locked (pinned) and the copies to the device asynchronous DMA; on this CPU-only
+machine "device" and "host" are both the CPU and the host tensors separate buffers. Numbers: README.md.
 
     torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 3 --offload param
 
@@ -75,14 +75,16 @@ class ParameterOffload(zero.ZeRO):
     """ZeRO-3 whose shards, and their gradients, live in host memory (ZeRO-Infinity's parameter offload).
 
     Each unit's `shard` (U/N,) is a host tensor, and so are the optimizer's pieces (views of it) and
-    `shard_grad`: AdamW steps them on the host, with no master copy. A unit is copied to the device just
+    `shard_grad`: AdamW steps them on the host (bf16-16/20: 01's MixedPrecisionOptimizer steps its fp32
+    masters of them, made on the host from the host pieces, and rounds them into the pieces; `grad_dtype`:
+    bf16-20's fp32 gradient shard, as zero.ZeRO's). A unit is copied to the device just
     before its all-gather (`_shard_on_device`: the copy lives until the gather completes), and each
     reduce-scatter's slice is added into the host's `shard_grad` (zero.py's `_retire`). The device holds
     only the units gathered at the moment (and activations). Measured: `peak_device_bytes` (full units
     and shard copies), `h2d_bytes` and `d2h_bytes` (the copies of the current step)."""
 
-    def __init__(self, modules, group, source=None):
-        super().__init__(modules, group, stage=3, source=source)
+    def __init__(self, modules, group, source=None, grad_dtype=None):
+        super().__init__(modules, group, stage=3, source=source, grad_dtype=grad_dtype)
         self.device = self.units[0].full.device
         for unit in self.units:
             unit.shard = host_copy(unit.shard)       # the device's shard goes: nothing of it persists there
@@ -128,9 +130,10 @@ class ParameterOffload(zero.ZeRO):
         return memory.held_bytes(model.parameters()), memory.held_bytes(p.grad for p in model.parameters()), 0
 
     def host_bytes(self, optimizer):
-        """(parameter shards, gradient shards, optimizer states) bytes on the host."""
+        """(parameter shards, gradient shards, optimizer states and bf16-16/20's fp32 masters) bytes on the
+        host: what ZeRO-3 holds on the device without offload."""
         return (memory.held_bytes(u.shard for u in self.units),
-                memory.held_bytes(u.shard_grad for u in self.units), memory.optimizer_state_bytes(optimizer))
+                memory.held_bytes(u.shard_grad for u in self.units), self.optimizer_bytes(optimizer))
 
 
 @torch.no_grad()

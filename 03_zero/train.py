@@ -49,7 +49,7 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
             optimizer.scale(micro_loss).backward()    # 2-3: units reduce-scattered as their grads complete;
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
-    optimizer.unscale_gradients()                     # fp16: the shards' gradients ÷ S
+    optimizer.unscale_gradients(zero.shards)          # fp16: the shards' gradients ÷ S (offload: before the copy)
     grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: an overflow)
     if offload:
         offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host
@@ -88,7 +88,8 @@ def run(args, config, dataset, grid):
     precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
     units, source = flat_unit.llama_units(model), build.source(model, args)   # stage 3: only this rank's
     if args.offload == "param":                                                #   shard ever exists
-        zero = offload_mod.ParameterOffload(units, grid.dp_group, source)      # ZeRO-3, shards on the host
+        zero = offload_mod.ParameterOffload(units, grid.dp_group, source,      # ZeRO-3, shards on the host
+                                            grad_dtype=precision.accumulation)
     else:
         zero = zero_mod.ZeRO(units, grid.dp_group, args.zero_stage, source=source,
                              grad_dtype=precision.accumulation)

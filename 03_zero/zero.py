@@ -307,10 +307,14 @@ class ZeRO:
         params = memory.held_bytes([*model.parameters(), *self.shards])
         grads = memory.held_bytes([*(p.grad for p in model.parameters()), *(u.grad for u in self.units),
                                *(u.grad_full for u in self.units), *(u.shard_grad for u in self.units)])
+        return params, grads, self.optimizer_bytes(optimizer)
+
+    def optimizer_bytes(self, optimizer):
+        """AdamW's states of the shards (none once offloaded) and bf16-16/20's fp32 masters with theirs."""
         stepped = list(self.shards)
         if getattr(optimizer, "masters", None) is not getattr(optimizer, "params", None):   # bf16-16/20
             stepped += optimizer.masters
         states = memory.tensor_bytes(v for p in stepped for v in optimizer.state.get(p, {}).values()
                                      if torch.is_tensor(v) and v.dim() > 0)
-        return params, grads, states + memory.held_bytes(stepped[len(self.shards):])
+        return states + memory.held_bytes(stepped[len(self.shards):])
 
