@@ -76,7 +76,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                           grid.world_size if grid else 1, device, is_logging_rank,
                           hardware_flops_per_token * tokens_per_step)
     params = [p for p in model.parameters() if p.requires_grad]
-    guard = optim.SkipNonFinite(optimizer) if args.on_nonfinite == "skip" else None
+    guard = optim.SkipNonFinite(optimizer, device) if args.on_nonfinite == "skip" else None
     several = grid is not None and grid.world_size > 1
     activation_peak = 0
     profiler = metrics.profiler(args.profile, device, grid.rank if grid else 0)

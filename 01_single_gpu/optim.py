@@ -50,19 +50,20 @@ class SkipNonFinite:
     the parameters nor the moments nor the step count move. All ranks decide together, through one
     all-reduce (max) of the flag, as mixed-precision loss scalers do (Megatron's found_inf): a rank holding
     a shard of finite gradients skips with the rank whose shard overflowed. `skipped` says what the last
-    step did.
+    step did. `device`: where the flag is all-reduced (the trainer's: NCCL takes only CUDA tensors, and 03's
+    offloaded optimizer steps host tensors); default: the first stepped tensor's.
     """
 
-    def __init__(self, optimizer):
-        self.skipped = False
+    def __init__(self, optimizer, device=None):
+        self.skipped, self.device = False, device
         self.handle = optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
-        bad = torch.zeros((), device=params[0].device)
-        if grads:
-            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(bad.dtype)
+        bad = torch.zeros((), device=self.device or params[0].device)
+        if grads:                                   # host gradients (offloaded): the flag copied to the device
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(bad)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.skipped = bool(bad)

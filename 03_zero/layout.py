@@ -72,9 +72,6 @@ def check_offload(args):
     if args.offload == "optimizer" and args.zero_stage == 3 and args.resume:
         raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
                          "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
-    if args.device == "cuda" and args.on_nonfinite == "skip":
-        raise ValueError(f"--on-nonfinite skip all-reduces its flag from the optimizer's tensors, on the "
-                         f"host with --offload {args.offload}, which NCCL cannot: use --on-nonfinite stop")
 
 
 def expected_offload_bytes(offload, stage, n, padded_bytes, layout=None, numel=0):

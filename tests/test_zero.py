@@ -140,15 +140,16 @@ DP2_STEPS = 2
 @pytest.fixture(scope="module")
 def dp2_runs(tmp_path_factory):
     """One 2-rank spawn for the dp 2 × mbs 1 tests below (ZeRO-3 under recompute, the offloaded stages, the
-    offloaded parameters: a run, then a 1-step run that saves a checkpoint and its resume), and 01's run of
-    the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it), so 01
+    offloaded parameters: a run, then a 1-step run that saves a checkpoint and its resume, and a run that
+    skips a non-finite step 2), and 01's run of the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it), so 01
     with full recompute is every layout's reference."""
     checkpoints = str(tmp_path_factory.mktemp("param_offload"))
     layouts = {"zero3-recompute": ("recompute", 3),
                **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES},
                "offload-param": ("param", ()),
                "offload-param-save": ("param", ("--checkpoint-dir", checkpoints)),
-               "offload-param-resume": ("param", ("--checkpoint-dir", checkpoints, "--resume"))}
+               "offload-param-resume": ("param", ("--checkpoint-dir", checkpoints, "--resume")),
+               "offload-param-skip": ("param", ("--on-nonfinite", "skip"))}
     return run_layouts(_dp2_layout, layouts, 2), single_device(DP2_STEPS, 2, 1, extra=("--recompute", "full"))
 
 
@@ -156,8 +157,12 @@ def _dp2_layout(layout):
     kind, stage = layout
     if kind == "recompute":
         return _zero_stage(stage, DP2_STEPS, 1, extra=("--recompute", "full"))
-    if kind == "param":            # `stage` is the checkpoint flags here: the save run stops after 1 step
-        return _param_offload(1 if stage and "--resume" not in stage else DP2_STEPS, stage)
+    if kind == "param":            # `stage` is extra flags here: the save run stops after 1 step
+        import torch.distributed as dist
+        from test_mixed_precision import overflow_at_step_2
+        save = "--checkpoint-dir" in stage and "--resume" not in stage
+        with overflow_at_step_2(here="skip" in stage and dist.get_rank() == 1):   # step 2's loss × inf
+            return _param_offload(1 if save else DP2_STEPS, stage)
     return _offload_stage(stage, DP2_STEPS, 1)
 
 
@@ -230,6 +235,7 @@ def _param_offload(steps, extra, grad_acc=1):
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     events = list(zero.events)
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
+                skipped=[r.get("skipped", False) for r in records],
                 held=zero.model_state_bytes(model, optimizer), host=zero.host_bytes(optimizer),
                 expected=layout_mod.expected_offload_bytes("param", 3, world_size(), zero.padded_bytes),
                 peak=zero.peak_device_bytes, peak_formula=layout_mod.expected_peak_device_bytes(zero.units),
@@ -284,6 +290,20 @@ def test_offload_param_matches_zero3_and_single_device_holds_nothing_between_ste
         assert resumed["losses"] == whole["losses"][1:], f"rank {rank}"
         for name, value in whole["state"].items():
             assert (resumed["state"][name] == value).all(), f"resumed rank {rank} {name}"
+
+
+def test_offload_param_skips_a_nonfinite_step_on_every_rank(dp2_runs):
+    """--on-nonfinite skip with --offload param, step 2's gradients made non-finite on rank 1 only (its loss
+    × inf): both ranks skip step 2, and their final parameters are the 1-step run's bit for bit. The flag
+    is computed from the host tensors AdamW steps and all-reduced on the collectives' device (--device:
+    NCCL takes no host tensor); on this CPU machine that is the CPU, so the result is what is tested here,
+    not the flag's device."""
+    outcomes, _ = dp2_runs
+    skipping, one_step = layout_results(outcomes, "offload-param-skip"), layout_results(outcomes, "offload-param-save")
+    for rank, (got, ref) in enumerate(zip(skipping, one_step)):
+        assert got["skipped"] == [False, True] and got["losses"][:1] == ref["losses"], f"rank {rank}"
+        for name, value in ref["state"].items():
+            assert (got["state"][name] == value).all(), f"rank {rank} {name}"
 
 
 def _zero_against_adamw_rank(offload_param=False):
