@@ -188,7 +188,8 @@ class MixedPrecisionOptimizer:
     def unscale_gradients(self, holders=None):
         """÷ S (fp16) in place; returns the tensors whose .grad to clip (the trainer's norm is the overflow
         check: inf or NaN anywhere makes it non-finite). `holders`: those tensors, if not the optimizer's
-        (03's --offload optimizer: ZeRO's device shards, whose gradients reach the host masters after the clip)."""
+        (03's --offload optimizer: ZeRO's device shards, whose gradients reach the host masters after the
+        clip)."""
         holders = self.holders if holders is None else holders
         if self.scaler:
             for p in holders:

@@ -50,8 +50,8 @@ class SkipNonFinite:
     the parameters nor the moments nor the step count move. All ranks decide together, through one
     all-reduce (max) of the flag, as mixed-precision loss scalers do (Megatron's found_inf): a rank holding
     a shard of finite gradients skips with the rank whose shard overflowed. `skipped` says what the last
-    step did. `device`: where the flag is all-reduced (the trainer's: NCCL takes only CUDA tensors, and 03's
-    offloaded optimizer steps host tensors); default: the first stepped tensor's.
+    step did. `device`: where the flag is all-reduced (the trainer's: NCCL takes only CUDA tensors, and
+    03's offloaded optimizer steps host tensors); default: the first stepped tensor's.
     """
 
     def __init__(self, optimizer, device=None):

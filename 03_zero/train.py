@@ -49,7 +49,7 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
             optimizer.scale(micro_loss).backward()    # 2-3: units reduce-scattered as their grads complete;
             loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
     zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
-    optimizer.unscale_gradients(zero.shards)          # fp16: the shards' gradients ÷ S (offload: before the copy)
+    optimizer.unscale_gradients(zero.shards)          # fp16: the shards' gradients ÷ S (not offload's masters)
     grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: an overflow)
     if offload:
         offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host

@@ -4,7 +4,8 @@ Compared: fp16's dynamic loss scaling against its rule (an overflowing step chan
 --loss-scale-window good steps double it, the log says so); the bf16 layouts' model states, tensor by
 tensor, against the memory table printed before training and the playbook's 16 and 20 bytes per parameter
 (08's planner's "mixed" rows are the same numbers); bf16 training against fp32 (close: bf16 rounding);
-ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring); and
+ZeRO dp 2 of a bf16 layout against 01's run of the same layout (equal: see that test's docstring), offloaded
+too, and fp16 with --offload optimizer and --offload param against ZeRO without offload (equal) and 01; and
 02, 04, 05, 06, 07, 08 on 2 ranks under bf16-16, bf16-20 and fp16 against 01 (07 for the MoE), an fp16
 overflow forced on one rank skipped by all, 08's memory rows against the planner's mixed rows.
 """
@@ -156,8 +157,8 @@ def _zero_layout(run):
     dtype, flags = PRECISIONS[precision]
     with overflow_at_step_2(here=precision == "fp16" and dist.get_rank() == 1):
         records, zero, model, optimizer, _, offloaded = import_module("03_zero.train").main(common.argv(
-            *flags, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage, "--offload", offload,
-            steps=2, mbs=1, dtype=dtype))
+            *flags, "--grad-clip", 0, "--dp", dist.get_world_size(), "--zero-stage", stage,
+            "--offload", offload, steps=2, mbs=1, dtype=dtype))
     host = offloaded or (zero if offload == "param" else None)             # what holds the host's bytes
     numel, n = sum(p.numel() for p in model.parameters()), dist.get_world_size()
     layout = mixed_precision.LAYOUTS["autocast" if precision == "fp16" else precision]
@@ -224,10 +225,11 @@ def test_zero_dp2_fp16_with_offload_equals_zero_without_it_and_the_single_device
     final parameters): the gradients are unscaled where ZeRO's shards hold them, before the clip, as without
     offload, and AdamW steps the same fp32 values on host tensors (ZeRO-2 and -3 reduce the same gradients
     in the same reduce-scatters). Against 01 within LOSS_APART and PARAMS_APART, as the data-parallel fp16
-    runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: layout.py's formula."""
+    runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: layout.py's
+    formula."""
     from harness import layout_results
-    ref = single_device_precisions["fp16", False]
-    for rank, (got, plain) in enumerate(zip(layout_results(zero_dp2, run), layout_results(zero_dp2, "fp16-zero2"))):
+    ref, plain_runs = single_device_precisions["fp16", False], layout_results(zero_dp2, "fp16-zero2")
+    for rank, (got, plain) in enumerate(zip(layout_results(zero_dp2, run), plain_runs)):
         assert got["skipped"] == plain["skipped"] == ref["skipped"] == [False, True], f"rank {rank}"
         assert got["scales"] == plain["scales"] == ref["scales"] == [1024, 2048], f"rank {rank}"
         assert got["losses"] == plain["losses"], f"rank {rank}"

@@ -141,8 +141,8 @@ DP2_STEPS = 2
 def dp2_runs(tmp_path_factory):
     """One 2-rank spawn for the dp 2 × mbs 1 tests below (ZeRO-3 under recompute, the offloaded stages, the
     offloaded parameters: a run, then a 1-step run that saves a checkpoint and its resume, and a run that
-    skips a non-finite step 2), and 01's run of the same global batch (mbs 2). --recompute changes no number (test_single_gpu.py checks it), so 01
-    with full recompute is every layout's reference."""
+    skips a non-finite step 2), and 01's run of the same global batch (mbs 2). --recompute changes no
+    number (test_single_gpu.py checks it), so 01 with full recompute is every layout's reference."""
     checkpoints = str(tmp_path_factory.mktemp("param_offload"))
     layouts = {"zero3-recompute": ("recompute", 3),
                **{f"offload-zero{stage}": ("offload", stage) for stage in STAGES},
@@ -299,8 +299,8 @@ def test_offload_param_skips_a_nonfinite_step_on_every_rank(dp2_runs):
     NCCL takes no host tensor); on this CPU machine that is the CPU, so the result is what is tested here,
     not the flag's device."""
     outcomes, _ = dp2_runs
-    skipping, one_step = layout_results(outcomes, "offload-param-skip"), layout_results(outcomes, "offload-param-save")
-    for rank, (got, ref) in enumerate(zip(skipping, one_step)):
+    skipping = layout_results(outcomes, "offload-param-skip")
+    for rank, (got, ref) in enumerate(zip(skipping, layout_results(outcomes, "offload-param-save"))):
         assert got["skipped"] == [False, True] and got["losses"][:1] == ref["losses"], f"rank {rank}"
         for name, value in ref["state"].items():
             assert (got["state"][name] == value).all(), f"rank {rank} {name}"
