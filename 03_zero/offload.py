@@ -77,11 +77,11 @@ class ParameterOffload(zero.ZeRO):
     Each unit's `shard` (U/N,) is a host tensor, and so are the optimizer's pieces (views of it) and
     `shard_grad`: AdamW steps them on the host (bf16-16/20: 01's MixedPrecisionOptimizer steps its fp32
     masters of them, made on the host from the host pieces, and rounds them into the pieces; `grad_dtype`:
-    bf16-20's fp32 gradient shard, as zero.ZeRO's). A unit is copied to the device just
-    before its all-gather (`_shard_on_device`: the copy lives until the gather completes), and each
-    reduce-scatter's slice is added into the host's `shard_grad` (zero.py's `_retire`). The device holds
-    only the units gathered at the moment (and activations). Measured: `peak_device_bytes` (full units
-    and shard copies), `h2d_bytes` and `d2h_bytes` (the copies of the current step)."""
+    bf16-20's fp32 gradient shard, as zero.ZeRO's). A unit is copied to the device just before its
+    all-gather (`_shard_on_device`: the copy lives until the gather completes), and each reduce-scatter's
+    slice is added into the host's `shard_grad` (zero.py's `_retire`). The device holds only the units
+    gathered at the moment (and activations). Measured: `peak_device_bytes` (full units and shard copies),
+    `h2d_bytes` and `d2h_bytes` (the copies of the current step)."""
 
     def __init__(self, modules, group, source=None, grad_dtype=None):
         super().__init__(modules, group, stage=3, source=source, grad_dtype=grad_dtype)
