@@ -7,7 +7,8 @@ host <-> device copies (03's --offload param once reduce-scattered a host buffer
 CPU tests could not see it, all their tensors being host tensors). float32, TF32 off (PyTorch's default
 for matmuls): the layouts reorder nothing at world size 1, so the losses agree to 1e-5 of the loss. 07's
 model has experts, so 07 is compared with 07 on the CPU instead (to 1e-4: CPU and GPU kernels sum in
-different orders). Skipped without a GPU; the CPU tests cover the same code on gloo ranks.
+different orders). 03's offloads under bf16-20 and fp16 with --on-nonfinite skip are compared with 03
+without offload. Skipped without a GPU; the CPU tests cover the same code on gloo ranks.
 """
 import json
 import subprocess
@@ -59,3 +60,22 @@ def test_trainer_on_cuda_matches_01(folder, reference, tmp_path):
 def test_expert_parallel_on_cuda_matches_cpu(tmp_path):
     on_gpu, on_cpu = losses("07_expert_parallel", tmp_path, "cuda"), losses("07_expert_parallel", tmp_path, "cpu")
     torch.testing.assert_close(torch.tensor(on_gpu), torch.tensor(on_cpu), atol=0, rtol=1e-4)
+
+
+OFFLOADED = {   # 03 with an offload against 03 without it, same precision: equal (the same arithmetic)
+    "param-bf16-20-skip": (["--zero-stage", "3", "--dtype", "bfloat16", "--precision-layout", "bf16-20"],
+                           ["--offload", "param", "--on-nonfinite", "skip"]),
+    "optimizer-fp16-skip": (["--zero-stage", "2", "--dtype", "float16"],
+                            ["--offload", "optimizer", "--on-nonfinite", "skip"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFLOADED))
+def test_offloads_on_cuda_equal_zero_without_them(name, tmp_path):
+    """--offload param under bf16-20 and --offload optimizer under fp16 (loss scaling), both with
+    --on-nonfinite skip, whose flag comes from host tensors and must reach NCCL on the device: the losses
+    of the same ZeRO stage and precision without offload on the same GPU, exactly."""
+    common, offload = OFFLOADED[name]
+    (tmp_path / "plain").mkdir(), (tmp_path / "offload").mkdir()
+    plain = losses("03_zero", tmp_path / "plain", "cuda", *common)
+    assert losses("03_zero", tmp_path / "offload", "cuda", *common, *offload) == plain
