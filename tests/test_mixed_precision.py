@@ -228,7 +228,7 @@ def test_zero_dp2_fp16_with_offload_equals_zero_without_it_and_the_single_device
     runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: layout.py's
     formula."""
     from harness import layout_results
-    ref, plain_runs = single_device_precisions["fp16", False], layout_results(zero_dp2, "fp16-zero2")
+    ref, plain_runs = single_device_precisions["fp16", ()], layout_results(zero_dp2, "fp16-zero2")
     for rank, (got, plain) in enumerate(zip(layout_results(zero_dp2, run), plain_runs)):
         assert got["skipped"] == plain["skipped"] == ref["skipped"] == [False, True], f"rank {rank}"
         assert got["scales"] == plain["scales"] == ref["scales"] == [1024, 2048], f"rank {rank}"
