@@ -69,9 +69,6 @@ def check_offload(args):
     if args.offload == "param" and args.zero_stage != 3:
         raise ValueError(f"--offload param moves ZeRO-3's parameter shards to the host: add --zero-stage 3 "
                          f"(not {args.zero_stage}), or use --offload optimizer")
-    if args.offload == "optimizer" and args.zero_stage == 3 and args.resume:
-        raise ValueError("--resume restores ZeRO-3's shards through the optimizer, which --offload optimizer "
-                         "moves to the host: resume with --zero-stage 1 or 2, or without --offload")
 
 
 def expected_offload_bytes(offload, stage, n, padded_bytes, layout=None, numel=0):

@@ -46,6 +46,9 @@ class OptimizerOffload:
             master.__dict__.update(shard.__dict__)   # `decays` (the decay group), `segments` (checkpoints)
             self.master.append(master)
             self.grads.append(torch.empty_like(master, pin_memory=shard.is_cuda))
+        # --resume restores the masters (what the optimizer steps), not ZeRO-3's shards (no model parameters):
+        # the first step writes the device shards from the masters first (train.py)
+        self.device_stale = True
 
     @torch.no_grad()
     def gradients_to_host(self):
@@ -64,6 +67,7 @@ class OptimizerOffload:
         gradients_to_host synchronizes before the host writes the masters again."""
         for shard, master in zip(self.shards, self.master):
             shard.copy_(master, non_blocking=True)                     # host -> device (bf16: rounded)
+        self.device_stale = False
 
     def host_bytes(self, optimizer):
         """(master parameters, gradients, optimizer states) bytes on the host."""

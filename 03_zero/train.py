@@ -40,6 +40,8 @@ layout_mod = import_module("03_zero.layout")
 
 def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     """02's step on ZeRO's shards; returns (global loss, gradient norm)."""
+    if offload and offload.device_stale:              # first step: the masters may come from a checkpoint
+        offload.parameters_to_device()
     optimizer.zero_grad(set_to_none=True)
     zero.zero_gradients()                             # stage 1: .grad views of flat buffers; 2-3: shard grads
     loss = 0.0
