@@ -74,8 +74,12 @@ OFFLOADED = {   # 03 with an offload against 03 without it, same precision: equa
 def test_offloads_on_cuda_equal_zero_without_them(name, tmp_path):
     """--offload param under bf16-20 and --offload optimizer under fp16 (loss scaling), both with
     --on-nonfinite skip, whose flag comes from host tensors and must reach NCCL on the device: the losses
-    of the same ZeRO stage and precision without offload on the same GPU, exactly."""
+    of the same ZeRO stage and precision without offload on the same GPU. Not bit for bit as on the CPU:
+    offloaded, AdamW runs on the host's CPU, otherwise on the GPU, whose elementwise kernels may round
+    apart in the last bit; 1e-4 of the loss bounds that over 3 steps (a missed sum or a stale shard moves
+    the loss by 1e-3 or more: test_zero)."""
     common, offload = OFFLOADED[name]
     (tmp_path / "plain").mkdir(), (tmp_path / "offload").mkdir()
     plain = losses("03_zero", tmp_path / "plain", "cuda", *common)
-    assert losses("03_zero", tmp_path / "offload", "cuda", *common, *offload) == plain
+    got = losses("03_zero", tmp_path / "offload", "cuda", *common, *offload)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(plain), atol=0, rtol=1e-4)
