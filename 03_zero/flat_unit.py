@@ -85,9 +85,14 @@ class FlatUnit:
         pipeline chunk's micro-batches add up in it until its last backward, 08) and their reduce-scatter
         takes it (`release_main_grads`)."""
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.full.device)
+            self.grad_full = self.zeros_full_gradient()
             self._point_main_grads()
         mixed_precision.accumulate(p, p.main_grad)
+
+    def zeros_full_gradient(self):
+        """(U,) zeros in the gradients' dtype where the unit computes (the device, also when the shards are
+        offloaded: NCCL reduce-scatters only device tensors). Stages 2-3."""
+        return torch.zeros(self.padded, dtype=self.shard_grad.dtype, device=self.full.device)
 
     def _point_main_grads(self):
         for p, view in zip(self.params, self.views(self.grad_full)):
@@ -96,8 +101,7 @@ class FlatUnit:
     def release_main_grads(self):
         """Stages 2-3 (bf16-20), at the unit's reduce-scatter: (U,) the fp32 sums of the step's micro-batches
         (zeros if no gradient reached the unit), which the unit and its parameters let go of."""
-        flat = self.grad_full if self.grad_full is not None else torch.zeros(
-            self.padded, dtype=self.shard_grad.dtype, device=self.full.device)
+        flat = self.grad_full if self.grad_full is not None else self.zeros_full_gradient()
         for p in self.params:
             p.__dict__.pop("main_grad", None)
         self.grad_full = None

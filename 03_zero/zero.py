@@ -200,7 +200,7 @@ class ZeRO:
     def _reduce_scatter(self, unit):
         self.before_reduce(unit.params)       # on .grad, or bf16-20's fp32 main_grad (01's main_grad)
         if unit.grad_views:                   # (U,) in the gradients' dtype, where they are (not the host)
-            flat = torch.zeros(unit.padded, dtype=unit.shard_grad.dtype, device=unit.full.device)
+            flat = unit.zeros_full_gradient()
             for p, view in zip(unit.params, unit.views(flat)):
                 if p.grad is not None:
                     view.copy_(p.grad)

@@ -17,6 +17,9 @@ import argparse
 import json
 import re
 import statistics
+from importlib import import_module
+
+metrics = import_module("01_single_gpu.metrics")
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_RESULTS, TRAINING_RESULTS = ROOT / "kernels" / "results", ROOT / "01_single_gpu" / "results"
@@ -40,10 +43,7 @@ def training_rows(folder: Path):
 
 def kernel_rows(result: dict):
     """Each kernel at its largest shape: ms per implementation and pass, and Triton's share of the peak."""
-    largest = {}
-    for r in result["rows"]:
-        largest.setdefault(r["kernel"], r["shape"])
-        largest[r["kernel"]] = r["shape"]                   # bench.py writes shapes smallest first
+    largest = {r["kernel"]: r["shape"] for r in result["rows"]}    # bench.py writes shapes smallest first
     table = {}
     for r in result["rows"]:
         if r["shape"] == largest[r["kernel"]]:
@@ -62,7 +62,8 @@ def section(device: str = "nvidia-h200") -> str:
              f"Triton {result['triton']}), {result['date']}. Measured there: a bf16 8192³ matmul at "
              f"{peaks['matmul_bf16_tflops']:.0f} TFLOP/s, a device-to-device copy at {peaks['copy_gbps']:.0f} GB/s.",
              "", f"Training, `{command.split(' --kernels')[0]}` (medians of steps "
-             f"{WARM_UP_STEPS + 1}-{WARM_UP_STEPS + training[0][5]}; MFU against 989 TFLOP/s dense bf16; "
+             f"{WARM_UP_STEPS + 1}-{WARM_UP_STEPS + training[0][5]}; MFU against "
+             f"{metrics.PEAK_TFLOPS[result['device'].split()[-1]]:.0f} TFLOP/s dense bf16; "
              f"[01_single_gpu/results/{device}/](01_single_gpu/results/{device}/)):", "",
              "| `--kernels` | `--attn` | tokens/s | MFU | allocator peak |", "|---|---|---|---|---|"]
     lines += [f"| {k} | {a} | {tps:,.0f} | {mfu:.1%} | {gib:.1f} GiB |" for k, a, tps, mfu, gib, _ in training]
