@@ -18,7 +18,7 @@ global batch's mean loss, the same number as 01's (07's with experts).
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
 first rank of each stage per process group, the bubble of the last step, and with --capacity-factor
 07's rows dropped over capacity, the whole model's (experts.log_dropped). Not composed: experts with --sp.
-New in the step compared with 02-07: nothing but their composition, written out in device order.
+New in the step compared with 06: the lines of 02-05 and 07 around its schedule, in device order.
 """
 import sys
 from pathlib import Path
