@@ -56,7 +56,7 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
     optimizer.unscale_gradients()                               # fp16: ÷ S; `dense`, `experts`: the holders
     # dense: the mean over dp; experts: Σ over expert_dp, / dp
     expert_parallel.sync_gradients(dense, experts, grid)
-    # Σ over ep: the same on every rank, so are fp16's skipped steps
+    # the experts' ‖g‖² summed over ep, each expert once: the same on every rank, so are fp16's skipped steps
     grad_norm = expert_parallel.clip_grad_norm_ep(dense + experts, args.grad_clip, experts, grid.ep_group)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
