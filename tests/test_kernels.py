@@ -214,6 +214,52 @@ def test_flash_attention_padded_head_dim_unequal_blocks():
           lambda q, k, v: fa.attention_reference(q, k, v, True), [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
 
 
+@pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+                         ids=["float32-causal", "bfloat16-causal", "float32-full"])
+def test_flash_attention_tutorial_tiling(dtype, causal):
+    """The tutorial's tiling at a scale the interpreter affords: T = 100, hd 80 (padded to 128), GQA 4:2.
+    Forward tiles 64 × 32 (the causal diagonal spans two key blocks); backward programs own 64 rows and
+    stream 32, the diagonal in 16-row sub-tiles. So every stage runs: unmasked blocks below the diagonal,
+    masked diagonal sub-tiles, whole blocks after it and a ragged last block (100 = 3·32 + 4)."""
+    q, k, v = randn(1, 4, 100, 80), randn(1, 2, 100, 80, seed=1), randn(1, 2, 100, 80, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, causal, block_m=64, block_n=32),
+          lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
+
+
+class CallNames(TorchFunctionMode):
+    """Records the name of every torch function called from Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_flash_attention_reads_strided_inputs_without_copies():
+    """q, k, v as the model makes them, (B, T, nh, hd) transposed to (B, nh, T, hd), and a strided dO: the
+    kernels read them through their strides. Nothing is copied (no contiguous/clone/copy_ call), autograd
+    saves the inputs themselves, and the results equal those of contiguous inputs."""
+    q, k, v = (randn(2, 37, h, 16, seed=s).to(DEVICE).transpose(1, 2).requires_grad_() for s, h in
+               enumerate((4, 2, 2)))                                          # (B, nh|nkv, T, hd), strided
+    dy = randn(2, 37, 4, 16, seed=3).to(DEVICE).transpose(1, 2)               # (B, nh, T, hd), strided
+    assert not (q.is_contiguous() or dy.is_contiguous())
+    with CallNames() as calls:
+        o = fa.flash_attention(q, k, v, True, block_m=16, block_n=16)
+        saved_q = o.grad_fn.saved_tensors[0]
+        o.backward(dy)
+    assert not {"contiguous", "clone", "copy_"} & set(calls.names), calls.names
+    assert saved_q.data_ptr() == q.data_ptr() and saved_q.stride() == q.stride()
+    dense = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    o_dense = fa.flash_attention(*dense, True, block_m=16, block_n=16)
+    o_dense.backward(dy.contiguous())
+    torch.testing.assert_close(o, o_dense, atol=0, rtol=0)
+    for x, x_dense in zip((q, k, v), dense):
+        torch.testing.assert_close(x.grad, x_dense.grad, atol=0, rtol=0)
+
+
 # === on a GPU: the models' own sizes, with the default tiles ===
 # The shapes above are tiny for the interpreter; compiled Triton has limits it does not check (tl.dot's
 # minimum sizes, shared memory, registers), so on a GPU every kernel also runs at Llama sizes, still
