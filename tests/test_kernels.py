@@ -163,17 +163,19 @@ def test_fused_cross_entropy_without_grad_and_chunk_rule():
 
 
 class LargestTensor(TorchFunctionMode):
-    """Records the largest tensor (in elements) returned by any torch call made from Python."""
+    """Records the largest tensor (in elements) returned by any torch call made from Python, and the
+    (shape, dtype) of every one."""
 
     def __init__(self):
         super().__init__()
-        self.numel, self.shape, self.shapes = 0, None, set()
+        self.numel, self.shape, self.shapes, self.typed = 0, None, set(), set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.shapes.add(tuple(t.shape))
+                self.typed.add((tuple(t.shape), t.dtype))
                 if t.numel() > self.numel:
                     self.numel, self.shape = t.numel(), tuple(t.shape)
         return out
@@ -193,6 +195,37 @@ def test_fused_cross_entropy_never_materialises_logits():
     assert eager.shape == (N, V)
     assert fused.shape == (V, C) and fused.numel < N * V and chunk * V <= fused.numel
     assert (chunk, V) in fused.shapes and (N, V) not in fused.shapes      # slabs of logits, never all of them
+
+
+def test_fused_cross_entropy_keeps_bf16_logits_in_place():
+    """bf16 inputs: each (chunk, V) logits slab stays bf16 and the CE kernel turns it into dlogits in place,
+    so no float32 (chunk, V) copy is ever made (the old version upcast every chunk: 2x its bytes), and no
+    (V, C) tensor but dW's fp32 accumulator and the bf16 gradient returned."""
+    N, C, V, chunk = 74, 48, 100, 16
+    h = randn(N, C).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = randn(V, C, seed=1).to(DEVICE, torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,)).to(DEVICE)
+    with LargestTensor() as fused:
+        flce.fused_linear_cross_entropy(h, w, t, chunk=chunk).backward()
+    assert ((chunk, V), torch.bfloat16) in fused.typed
+    assert ((chunk, V), torch.float32) not in fused.typed
+    assert {dtype for shape, dtype in fused.typed if shape == (V, C)} <= {torch.float32, torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_grad_weight_accumulates_in_float32(dtype):
+    """dW += dlogitsᵀ h into an fp32 accumulator: fp32 operands by addmm_ (reordered fp32 sums only); bf16
+    operands on CUDA by addmm's out_dtype overload (fp32 accumulation, no bf16 product: within fp32's
+    reordering), on the CPU (no kernel for that overload) by a bf16 product then added (one bf16
+    rounding, 2⁻⁸ relative, of each product entry). Bounds relative to |dlogits|ᵀ|h| + |dW|."""
+    grad = randn(100, 48).to(DEVICE)
+    d, h = randn(16, 100, seed=1).to(DEVICE, dtype), randn(16, 48, seed=2).to(DEVICE, dtype)
+    truth = grad.double() + d.double().t() @ h.double()
+    scale = grad.double().abs() + d.double().abs().t() @ h.double().abs()
+    flce.add_grad_weight(grad, d, h)
+    assert grad.dtype == torch.float32
+    bound = 2 ** -8 if dtype == torch.bfloat16 and DEVICE == "cpu" else 1e-5
+    assert ((grad.double() - truth).abs() <= bound * scale).all()
 
 
 # === flash attention ===
