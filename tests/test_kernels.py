@@ -137,6 +137,27 @@ def test_rope_backward_is_rotation_by_minus_sin():
     torch.testing.assert_close(x.grad, rot.rope_reference(dy, cos.to(DEVICE), -sin.to(DEVICE)), atol=1e-6, rtol=1e-6)
 
 
+def test_rope_of_q_and_k_in_one_launch(monkeypatch):
+    """apply_rotary (the model's rope_fn) rotates q (4 heads) and k (2 heads, GQA) in one kernel launch
+    forward and one backward, reading the model's strided (B, T, nh, hd) -> (B, nh, T, hd) views in
+    place; outputs and both gradients equal the reference's (float32: 1e-5, reduction-free)."""
+    grids, kernel = [], rot._rope_kernel
+
+    class CountingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rot, "_rope_kernel", CountingKernel())
+    cos, sin = rope_tables(24)                                          # (T, hd), hd 24: a masked half
+    q, k = randn(2, 37, 4, 24).transpose(1, 2), randn(2, 37, 2, 24, seed=1).transpose(1, 2)
+    both = lambda rotate: lambda q, k: torch.cat(rotate(q, k), dim=1)  # noqa: E731   (B, nh + nkv, T, hd)
+    check(both(lambda q, k: rot.apply_rotary(q, k, cos.to(q), sin.to(q))),
+          both(lambda q, k: (rot.rope_reference(q, cos.to(q), sin.to(q)), rot.rope_reference(k, cos.to(k), sin.to(k)))),
+          [q, k], torch.float32, ["out", "dq", "dk"])
+    assert len(grids) == 2 and all(grid[0] == 2 * (4 + 2) for grid in grids)   # forward, backward
+
+
 # === fused linear + cross-entropy ===
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -477,3 +498,4 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "cpu-interpreter-check.json").read_text())["rows"]) == len(rows)
     bench.main(["--plot-from", str(tmp_path / "cpu-interpreter-check.json")])   # --plot's picture, no GPU
     assert (tmp_path / "cpu-interpreter-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
