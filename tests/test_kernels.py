@@ -480,7 +480,10 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
         return (time.perf_counter() - start) * 1e3
 
     peaks = {"matmul_bf16_tflops": 1.0, "copy_gbps": 1.0}
-    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks)
+    # The GPU time's plumbing, with the wall clock again standing in (gpu_timer.GpuTime is GPU-only: its
+    # own test is test_gpu_time_hides_the_host below).
+    gpu = lambda run: {"gpu_ms": wall_clock_ms(run), "launches": 1}   # noqa: E731
+    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks, gpu)
     expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
         | {("rope", i) for i in ("eager", "triton")} | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
         | {("linear+cross-entropy", i) for i in ("eager", "triton")}
@@ -490,12 +493,34 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert not failed, failed
     for r in (r for r in rows if r["ms"] is not None):
         assert r["rate"] > 0 and r["of_peak"] == pytest.approx(r["rate"] / 1.0)
+        assert r["gpu_ms"] > 0 and r["gpu_of_peak"] == pytest.approx(r["of_peak"] * r["ms"] / r["gpu_ms"])
+        assert r["launches"] == 1
     assert [m["impl"] for m in memory] == ["eager", "triton"]             # CUDA memory stats: n/a on CPU
     bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__, triton=triton.__version__,
                              cuda=None, date="-"), peaks, rows, memory)
     text = (tmp_path / "cpu-interpreter-check.md").read_text()
     assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
+    assert "| GPU ms | launches |" in text and all(line.count("|") == 10 for line in text.splitlines()
+                                                   if line.startswith("| rmsnorm |"))
     assert len(json.loads((tmp_path / "cpu-interpreter-check.json").read_text())["rows"]) == len(rows)
     bench.main(["--plot-from", str(tmp_path / "cpu-interpreter-check.json")])   # --plot's picture, no GPU
     assert (tmp_path / "cpu-interpreter-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+@on_gpu
+def test_gpu_time_hides_the_host():
+    """gpu_timer.GpuTime on a call whose host side is slow (5 ms of Python before one tiny kernel): the
+    event time includes those 5 ms, the GPU time only the kernel's microseconds, and the profiler counts
+    one launch. A Triton RMSNorm forward is one launch too."""
+    gpu_timer, bench = import_module("kernels.gpu_timer"), import_module("kernels.bench")
+    timer = bench.Timer(warmup=2, iters=5)
+    gpu = gpu_timer.GpuTime(timer)
+    x = torch.zeros(1024, device=DEVICE)
+
+    def slow_host():
+        time.sleep(0.005)
+        x.add_(1)
+    result = gpu(slow_host)
+    assert timer(slow_host) > 5 and result["gpu_ms"] < 1 and result["launches"] == 1
+    rows, w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16), torch.ones(2048, device=DEVICE)
+    assert gpu_timer.count_launches(lambda: rms.rmsnorm(rows, w, 1e-5)) == 1
