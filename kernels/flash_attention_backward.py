@@ -97,15 +97,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, T
 
     # Causal: queries before n0 cannot see these keys; queries in [n0, n0 + BLOCK_N) are the diagonal
     # (masked, in BLOCK_M_DIAG sub-tiles); later ones see every key (no mask). Full: no diagonal.
+    # full_hi: the end of the whole query blocks; a ragged one after it is masked.
     if CAUSAL:
         diag_lo = n0
         diag_hi = tl.minimum(n0 + BLOCK_N, T)
         lo = n0 + BLOCK_N
+        full_hi = lo + tl.maximum(T - lo, 0) // BLOCK_M * BLOCK_M
     else:
         diag_lo = 0
         diag_hi = 0
         lo = 0
-    full_hi = lo + tl.maximum(T - lo, 0) // BLOCK_M * BLOCK_M   # whole query blocks; a ragged one after
+        full_hi = T // BLOCK_M * BLOCK_M
     for g in range(group):                            # every query head that reads this K/V head (GQA)
         h = (kv_h * group + g).to(tl.int64)
         q_base = Q + b * stride_qb + h * stride_qh
