@@ -280,6 +280,17 @@ def test_flash_attention_tutorial_tiling(dtype, causal):
           lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
 
 
+def test_flash_attention_default_tiles():
+    """No tiles given: the autotuned forward and the default backward tiles, at hd 80 (padded to 128),
+    T = 70 (ragged), GQA 4:2. Under the interpreter autotune holds one config, so it never benchmarks
+    (Autotuner.run times configs only when it has several, with CUDA events); on a GPU it holds several."""
+    if DEVICE == "cpu":
+        assert len(fa._attn_fwd_tuned.configs) == 1
+    q, k, v = randn(1, 4, 70, 80), randn(1, 2, 70, 80, seed=1), randn(1, 2, 70, 80, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, True), lambda q, k, v: fa.attention_reference(q, k, v, True),
+          [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
+
+
 class CallNames(TorchFunctionMode):
     """Records the name of every torch function called from Python."""
 
