@@ -79,6 +79,25 @@ def test_fp16_training_logs_its_loss_scale_and_skipped_steps(tmp_path):
     assert [r["grad_norm"] is None for r in logged] == [False, True, False]
 
 
+@pytest.mark.parametrize("init, saved_at", [(2.0 ** 17, 1), (1e30, 1)], ids=["scale-grown", "no-real-step"])
+def test_fp16_resume_is_bitwise(tmp_path, init, saved_at):
+    """--dtype float16, --loss-scale-window 1: k steps, save, --resume to 4 equals 4 steps, bit for bit, in
+    losses, parameters and the loss scale each step used. From 2^17 step 1 runs and S doubles: a resume at
+    --loss-scale-init would not overflow in step 2, as the uninterrupted run does. From 1e30 step 1
+    overflows: the checkpoint holds no AdamW moments (there was no real step), and the resume must not
+    expect them."""
+    flags = ("--loss-scale-init", init, "--loss-scale-window", 1, "--lr-decay-steps", 4)   # one schedule
+    whole, model = train.main(common.argv(*flags, steps=4, dtype="float16"))
+    ckpt = ("--checkpoint-dir", tmp_path / "ckpt")
+    train.main(common.argv(*flags, *ckpt, steps=saved_at, dtype="float16"))
+    resumed, resumed_model = train.main(common.argv(*flags, *ckpt, "--resume", steps=4, dtype="float16"))
+    assert any(r.get("skipped") for r in whole)                     # overflowed steps are involved
+    for key in ("loss", "loss_scale", "skipped"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in whole[saved_at:]], key
+    for name, p in resumed_model.state_dict().items():
+        assert torch.equal(p, model.state_dict()[name]), name
+
+
 def _layout_states(layout):
     """The memory table's numbers before training, what the rank holds after one step of two micro-batches,
     the trained and the initial parameters (fp32 copies)."""
