@@ -186,10 +186,13 @@ class Resume:
     skipped: list       # (step, problem) of the newer checkpoints that are unusable
 
 
-def newest_usable(directory) -> Resume:
-    """The newest checkpoint whose files match their manifest; a ValueError naming the fix if none does."""
+def newest_usable(directory, reader: bool = False) -> Resume:
+    """The newest checkpoint whose files match their manifest; a ValueError naming the fix if none does,
+    in the trainer's flags (--resume), or (`reader`) in those of generate.py and export_hf.py."""
+    fix = "pass a trainer's --checkpoint-dir"
     if not Path(directory).is_dir():
-        raise ValueError(f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
+        raise ValueError(f"--checkpoint-dir {directory} does not exist: {fix}" if reader else
+                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
     skipped = []
     for step in checkpoint_steps(directory):
         problem, manifest = verify(Path(directory) / f"step_{step:06d}")
@@ -197,10 +200,12 @@ def newest_usable(directory) -> Resume:
             return Resume(step, manifest.get("run_id"), skipped)
         skipped.append((step, problem))
     if not skipped:
-        raise ValueError(f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
-    raise ValueError(f"--resume: no usable checkpoint in {directory}: "
-                     + "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
-                     + ": start a new run (--overwrite)")
+        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}" if reader
+                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
+    problems = "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
+    raise ValueError(f"--checkpoint-dir {directory} holds no usable checkpoint: {problems}: pass the "
+                     f"--checkpoint-dir of a run whose save finished" if reader else
+                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run (--overwrite)")
 
 
 def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:

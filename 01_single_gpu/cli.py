@@ -162,6 +162,7 @@ def parse_args(parser, argv=None, files: bool = True):
     values only (08's planner, which reads no data and only the shapes of --init-from's config.json).
     """
     args = parser.parse_args(argv)
+    explicit_kv_heads = args.num_kv_heads is not None
     preset = dict(zip(("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"),
                       PRESETS[args.preset]))
     for name, value in preset.items():
@@ -170,6 +171,9 @@ def parse_args(parser, argv=None, files: bool = True):
     args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
     try:
         checks.check_values(args)
+        if args.num_kv_heads > args.num_heads and explicit_kv_heads:
+            raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
+                             f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
         if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
             args.num_kv_heads = args.num_heads
         if files:
