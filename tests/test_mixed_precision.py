@@ -79,6 +79,23 @@ def test_fp16_training_logs_its_loss_scale_and_skipped_steps(tmp_path):
     assert [r["grad_norm"] is None for r in logged] == [False, True, False]
 
 
+def test_bf16_16_gradient_norm_is_taken_in_fp32():
+    """bf16-16's gradients are bf16; the norm that is logged and clips them is summed in fp32, as 04's and
+    06's norms of the same gradients (torch's clip_grad_norm_ would return bf16: 3 significant digits). 01's
+    step with --grad-clip 0 leaves the gradients as they were: the norm must match their float64 norm to fp32
+    rounding (the bf16 norm is off by up to 2^-9)."""
+    argv = common.argv("--precision-layout", "bf16-16", "--grad-clip", 0, steps=1, dtype="bfloat16")
+    args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
+    model = build.materialize(build.build_model(args, config), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
+    sampler = import_module("01_single_gpu.data").GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
+    _, norm = train.train_step(model, optimizer, [sampler.micro_batch(0, 0)], args)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.dtype == torch.bfloat16 for g in grads) and norm.dtype == torch.float32
+    exact = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+    assert abs(float(norm) - exact) <= 1e-6 * exact, (float(norm), exact)
+
+
 @pytest.mark.parametrize("init, saved_at", [(2.0 ** 17, 1), (1e30, 1)], ids=["scale-grown", "no-real-step"])
 def test_fp16_resume_is_bitwise(tmp_path, init, saved_at):
     """--dtype float16, --loss-scale-window 1: k steps, save, --resume to 4 equals 4 steps, bit for bit, in
