@@ -271,6 +271,7 @@ def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None 
         return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
     global_state.load(global_state.Assembler(manifest["pieces"], read), optimizer, model, manifest["optimizer_step"])
     scaler = getattr(optimizer, "scaler", None)
-    if scaler and manifest.get("loss_scaler"):   # else (saved without fp16, or before it was saved): --loss-scale-init
+    # fp16's loss scale continues; saved without fp16 (or by an older version): --loss-scale-init
+    if scaler and manifest.get("loss_scaler"):
         scaler.load_state_dict(manifest["loss_scaler"])
     return step

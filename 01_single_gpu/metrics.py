@@ -165,9 +165,9 @@ class StepLog:
                 self.json.close()
             self.json = None
             import_module("01_single_gpu.cli").fail(
-                f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed ({error.strerror}): "
-                f"free space there or pass another --json-log; the checkpoints saved so far are intact "
-                f"(--resume continues from the last one)", status=1)
+                f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed "
+                f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so far "
+                f"are intact (--resume continues from the last one)", status=1)
 
     def write_tensorboard(self, record: dict):
         """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""

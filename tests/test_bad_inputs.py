@@ -3,13 +3,13 @@
 Each case below is a real command line of `NN_*/train.py` with one mistake: a flag value, a path the run
 would write, a data source, a tokenizer, an `--init-from` directory, a checkpoint to resume, a parallel
 layout; then the tools (generate.py, export_hf.py, the planner) in their own flags' words, and a disk that
-fills mid-run (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status for a usage error, used for all of them),
-exactly one line on stderr holding the case's fix, no Python traceback anywhere in the output, and the
-seconds until the process exited. The cases run in processes forked from one that imported the trainer
-once (tests/forkrun.py: a case costs milliseconds, not an interpreter start); one case per folder also
-runs as a fresh `python NN/train.py`, imports included, and two run under torchrun with two ranks, where
-the line must appear once. Nothing here reaches the network (the hub endpoint is a closed local port): a
-hub name must fail fast, with HF_HUB_OFFLINE set or not.
+fills mid-run (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status
+for a usage error, used for all of them), exactly one line on stderr holding the case's fix, no Python
+traceback anywhere in the output, and the seconds until the process exited. The cases run in processes
+forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
+interpreter start); one case per folder also runs as a fresh `python NN/train.py`, imports included, and two
+run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
+hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE set or not.
 """
 import json
 import os
@@ -191,7 +191,8 @@ CASES = [
     ("tensorboard-uncreatable", "01", ["--tensorboard", "/proc/no-such-folder/tb"], "pass another path", {}),
     ("kernels-triton-on-cpu", "01", ["--kernels", "triton"], "start with TRITON_INTERPRET=1",
      {"TRITON_INTERPRET": None}),
-    ("attn-triton-on-cpu", "04", ["--attn", "triton"], "start with TRITON_INTERPRET=1", {"TRITON_INTERPRET": None}),
+    ("attn-triton-on-cpu", "04", ["--attn", "triton"], "start with TRITON_INTERPRET=1",
+     {"TRITON_INTERPRET": None}),
     ("resume-manifest-digit", "01", ["--resume", "--checkpoint-dir", "{ckpt_manifest_digit}"],
      "manifest.json fails its own sha256 check", {}),
 ]
