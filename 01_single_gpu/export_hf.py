@@ -25,12 +25,15 @@ modeling = import_module("01_single_gpu.model")
 def read_checkpoint(checkpoint_dir, step=None):
     """(step, LlamaConfig, {01's parameter name: full tensor}, manifest) of checkpoint `step` (default: the
     newest usable) of `checkpoint_dir`, whatever layout saved it; generate.py samples from it."""
-    step = checkpoint.newest_usable(checkpoint_dir, reader=True).step if step is None else step
+    if step is None or not Path(checkpoint_dir).is_dir():
+        newest = checkpoint.newest_usable(checkpoint_dir, reader=True).step     # raises for a missing folder
+        step = newest if step is None else step
     folder = Path(checkpoint_dir) / f"step_{step:06d}"
     held = checkpoint.checkpoint_steps(checkpoint_dir)
     if step not in held:
-        raise ValueError(f"--step {step}: {checkpoint_dir} holds no checkpoint of step {step} (it holds "
-                         f"{', '.join(map(str, held[:5])) or 'none'}): pass one of those")
+        raise ValueError(f"--step {step}: {checkpoint_dir} holds no checkpoint of step {step}"
+                         + (f" (it holds {', '.join(map(str, held[:5]))}): pass one of those" if held else
+                            ": pass a trainer's --checkpoint-dir"))
     problem, manifest = checkpoint.verify(folder)
     if problem:
         raise ValueError(f"--step {step}: {folder}: {problem}: pass another --step, or leave it out (the newest "
