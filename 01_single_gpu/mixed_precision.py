@@ -108,6 +108,12 @@ class LossScaler:
     def __init__(self, scale: float, window: int):
         self.scale, self.window, self.good_steps = scale, window, 0
 
+    def state_dict(self) -> dict:       # saved in the checkpoint's manifest: an fp16 resume is bitwise
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict):
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
     def update(self, overflow: bool):
         if overflow:
             self.scale, self.good_steps = self.scale / 2, 0

@@ -22,14 +22,13 @@ import functools
 import os
 from importlib import import_module
 
-import torch
-
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
+optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -50,7 +49,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
     holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
     # the norm of the all-reduced gradients: the same on every rank, so are fp16's skipped steps
-    grad_norm = torch.nn.utils.clip_grad_norm_(holders, args.grad_clip or float("inf"))
+    grad_norm = optim.clip_grad_norm(holders, args.grad_clip)   # summed in fp32 (bf16-16 too)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 

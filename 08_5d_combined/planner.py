@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
+import math
 from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
@@ -264,6 +265,10 @@ def layout_of(args) -> Layout:
 def main(argv=None):
     parser = build_parser()
     args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
+    for name in ("gpu_mem", "bw_intra", "bw_inter", "hbm_tbps", "train_tokens"):   # search.py's last two
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
     if args.search:
         return import_module("08_5d_combined.search_report").main(args, parser)
     search, layout = import_module("08_5d_combined.search"), layout_of(args)
