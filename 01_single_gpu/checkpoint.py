@@ -183,7 +183,8 @@ def newest_usable(directory) -> Resume:
             return Resume(step, manifest.get("run_id"), skipped)
         skipped.append((step, problem))
     if not skipped:
-        raise ValueError(f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
+        raise ValueError(f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume, "
+                         f"or pass --resume auto (a new run where none was saved yet)")
     raise ValueError(f"--resume: no usable checkpoint in {directory}: "
                      + "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
                      + ": start a new run (--overwrite)")
