@@ -2,8 +2,11 @@
 
 A cluster stops a job with a signal: Slurm sends SIGTERM at the time limit, on preemption and on
 `scancel` (SIGKILL follows after KillWait or GraceTime), and `--signal=USR1@N` warns N seconds before the
-limit; torchrun forwards a SIGTERM it receives to its workers and kills them 30 s later. Megatron-LM's
---exit-signal-handler is the model: save, then leave.
+limit; torchrun forwards a SIGTERM it receives to its workers and kills those left 30 s later.
+Megatron-LM's --exit-signal-handler is the model: save, then leave.
+
+    torchrun --nproc_per_node 2 02_data_parallel/train.py --dp 2 --checkpoint-dir ck --resume auto
+    kill -TERM <torchrun's pid>          # then the same command again: it continues from ck's newest step
 
     signal handler:   signalled = signum               nothing else: it may land inside a collective
     every step:       stop = all_reduce(signalled, MAX)     one scalar, the trainer's device and backend
