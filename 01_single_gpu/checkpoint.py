@@ -201,7 +201,8 @@ def newest_usable(directory, reader: bool = False) -> Resume:
         skipped.append((step, problem))
     if not skipped:
         raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}" if reader
-                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
+                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume, "
+                              f"or pass --resume auto (a new run where none was saved yet)")
     problems = "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
     raise ValueError(f"--checkpoint-dir {directory} holds no usable checkpoint: {problems}: pass the "
                      f"--checkpoint-dir of a run whose save finished" if reader else

@@ -141,7 +141,10 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
     o.add_argument("--keep-last", type=int, default=0, metavar="N",
                    help="keep only the newest N checkpoints (0: keep all; a corrupt newest one falls back to older)")
-    o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    o.add_argument("--resume", nargs="?", const="latest", choices=["latest", "auto"], metavar="auto",
+                   help="continue from the newest usable checkpoint in --checkpoint-dir (refused where there is "
+                        "none); --resume auto: the same, or a new run where none was saved yet, so a requeued "
+                        "job's command works every time")
     o.add_argument("--overwrite", action="store_true",
                    help="start a new run in a --checkpoint-dir that holds another run's checkpoints (they are "
                         "removed once this run has saved its first one)")

@@ -74,7 +74,8 @@ def check_triton(kernels: str, attn: str):
 
 def check_inputs(args):
     """The files the flags name, without loading them: the outputs can be written, the data source, the
-    tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says."""
+    tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says (with
+    `--resume auto`, a folder without any step_* folder means a new run)."""
     cli, sources = import_module("01_single_gpu.cli"), import_module("01_single_gpu.sources")
     hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
     modeling = import_module("01_single_gpu.model")
@@ -96,6 +97,9 @@ def check_inputs(args):
         hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)
     if args.checkpoint_dir:
         check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
+            cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
+            args.resume = None
         if args.resume:
             world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
             resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)

@@ -9,6 +9,7 @@
         every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
         --profile DIR: the profiler's schedule advances         metrics.profiler
+        a SIGTERM/SIGUSR1 on any rank: save this step, exit 75  preemption.py (all ranks agree, one scalar)
     --plot: the loss curve and every rank's measured memory     plots.py
 
 Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
@@ -35,6 +36,7 @@ memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
 plots = import_module("01_single_gpu.plots")
+preemption = import_module("01_single_gpu.preemption")
 watchdog = import_module("01_single_gpu.watchdog")
 
 
@@ -80,8 +82,9 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     several = grid is not None and grid.world_size > 1
     activation_peak = 0
     profiler = metrics.profiler(args.profile, device, grid.rank if grid else 0)
+    stopped_by = 0                       # the signal that stopped the run before --steps (preemption.py)
     with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog, \
-            profiler or contextlib.nullcontext():
+            profiler or contextlib.nullcontext(), preemption.StopRequest(device, several) as stop:
         for step in range(start, args.steps):
             log.start_step()
             lr = optim.lr_at(step, args)
@@ -108,7 +111,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                 activation_peak = meter.peak
                 log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
                           f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
-            if args.checkpoint_dir and (step + 1 == args.steps or
+            stopped_by = stop.agreed() if step + 1 < args.steps else 0    # a collective at every step's end
+            if args.checkpoint_dir and (stopped_by or step + 1 == args.steps or
                                         (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
                 checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
                                            {"layout": layout, "global_batch": sampler.global_batch,
@@ -117,9 +121,13 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
                 dog.beat(f"step {step + 1} ended")
             if profiler:
                 profiler.step()         # the schedule's clock: wait 1, warm up 1, record 3 (metrics.profiler)
+            if stopped_by:
+                break
     if guard:
         guard.remove()
     log.close()
+    if stopped_by:
+        preemption.leave(stopped_by, step + 1, args.checkpoint_dir, is_logging_rank)
     if profiler and is_logging_rank:
         print(f"profile: a trace of steps {start + 3}-{min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)} in "
               f"{args.profile} (open it in ui.perfetto.dev or TensorBoard)")

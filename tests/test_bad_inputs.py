@@ -112,6 +112,15 @@ CASES = [
      "global batch of 4 sequences differs from the checkpoint's 2", {}),
     ("resume-experts-into-01", "01", ["--resume", "--checkpoint-dir", "{ckpt_experts}"],
      "saved by a mixture-of-experts run (4 experts per layer), this run has 0", {}),
+    # --resume auto starts a new run only where no checkpoint exists: another run's, or damaged ones, are refused
+    ("resume-auto-other-seed", "01", ["--resume", "auto", "--checkpoint-dir", "{ckpt}", "--seed", "7"],
+     "--seed 7 differs from the checkpoint's 1234", {}),
+    ("resume-auto-corrupt", "01", ["--resume", "auto", "--checkpoint-dir", "{ckpt_corrupt}"],
+     "fails its sha256 check", {}),
+    ("resume-auto-and-overwrite", "01", ["--resume", "auto", "--overwrite", "--checkpoint-dir", "{fresh}"],
+     "--overwrite starts a new run", {}),
+    ("resume-unknown-mode", "01", ["--resume", "newest", "--checkpoint-dir", "{ckpt}"],
+     "argument --resume: invalid choice: 'newest'", {}),
     # --- data
     ("dataset-csv-missing", "01", ["--dataset", "x.csv"], "does not exist: pass --dataset an existing file", {}),
     ("dataset-csv", "01", ["--dataset", "{csv}"], "convert it to .jsonl or .parquet", {}),
