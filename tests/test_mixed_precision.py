@@ -346,7 +346,10 @@ def _trainer_run(run):
                 tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
                 states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
                 gathered=rest[-1][dist.get_rank()]["gathered"] if trainer == "08" else 0,  # ZeRO-3's peak
-                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)
+                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None,
+                shard_grads=import_module("01_single_gpu.memory").held_bytes(      # ZeRO-2/3's (U/N,) each
+                    u.shard_grad for z in getattr(rest[0].grad_sync, "zeros", []) for u in z.units)
+                if trainer == "08" else 0)
 
 
 @pytest.fixture(scope="module")
@@ -449,6 +452,10 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
             planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
             held = list(got["states"])
             if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
-                planned[1] = held[1]              # 08 counts the full .grad held before ZeRO-2 frees it
-                held[0] += got["gathered"] if "--pp" in flags else 0   # ZeRO-3 under PP: its stage at the peak
+                # ZeRO-2/3: the gradient shards (bf16-20: fp32, 4 bytes); under PP 08 reduces once per step,
+                # so the full gradients (its report's row) and ZeRO-3's gathered stage are held beside them.
+                # At pp 1 the planner's row is 03's, what 08 holds after the step (the shards)
+                pipelined = "--pp" in flags
+                held[1] = got["shard_grads"] + (held[1] if pipelined else 0)
+                held[0] += got["gathered"] if pipelined else 0
             assert held == planned, rank
