@@ -26,7 +26,8 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
              experts (expert units reduced after the schedule); each also shows its reduction ran inside
              the schedule (`_check_in_backward`), and each ZeRO-3 run that it held, while building, at
-             most one unit's values at full size, never its stage (`_values_held`)
+             most one unit's values at full size, never its stage (`_values_held`); the interleaved one
+             evaluates after each step, and after that last evaluation no full unit is left (`resident`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -125,7 +126,10 @@ def _train(flag_set):
                 common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
     finally:
         experts.log_dropped = log_dropped
-    units = [u for z in getattr(pipe.grad_sync, "zeros", []) for u in z.units]
+    zeros = getattr(pipe.grad_sync, "zeros", [])
+    units = [u for z in zeros for u in z.units]
+    # ZeRO-3's full units still allocated when the run is over (before full_state_dict gathers them)
+    resident = memory.held_bytes(u.full for z in zeros if z.stage == 3 for u in z.units)
     mine = everyone[torch.distributed.get_rank()]
     sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
             for dim, groups in GROUPS.items()}
@@ -133,9 +137,9 @@ def _train(flag_set):
                 eval_losses=[r.get("eval_loss") for r in records], dropped=logged,
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"], built=built["peak"],
+                resident=resident,
                 unit=max((u.padded * u.full.element_size() for u in units), default=0),   # the largest
-                shard_grads=memory.held_bytes(u.shard_grad for z in getattr(pipe.grad_sync, "zeros", [])
-                                              for u in z.units),                 # ZeRO-2/3's (U/N,) each
+                shard_grads=memory.held_bytes(u.shard_grad for u in units),        # ZeRO-2/3's (U/N,) each
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()},
                 checkpoints=_checkpoint_peaks(extra, stages, pipe, mbs, grad_acc))
@@ -235,6 +239,8 @@ def _check(flag_set, per_rank):
             torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
                                        msg=lambda m: f"{what} {name}: {m}")
             covered.add(name)
+        # an evaluation (the last thing a run with --eval-every does) releases what ZeRO-3's forwards gathered
+        assert run["resident"] == 0, (what, run["resident"])
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
         planned = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
@@ -376,8 +382,9 @@ FOUR_RANKS = {
     "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
     "zero2-dp2-pp2-dualpipev": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
                                       "--zero-stage", 2, grad_acc=4),
-    "zero3-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
-                                        "--zero-stage", 3, grad_acc=4),
+    "zero3-dp2-pp2-interleaved-eval": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
+                                             "--pp-chunks", 2, "--zero-stage", 3, "--eval-every", 1,
+                                             "--eval-batches", 1, grad_acc=4),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                         "--num-experts", 4, "--zero-stage", 3)}
 
