@@ -265,7 +265,7 @@ PRECISIONS = {"bf16-16": ("bfloat16", ["--precision-layout", "bf16-16"]),
 # × grad_acc 2: every --dp-mode and 08's ZeRO-1/2/3 over bf16-20's fp32 buffers (a pp2 chunk's two
 # micro-batches added in fp32 under 1F1B and ZB-H1; SP's and a replicated kv head's sums over tp on them),
 # TP's and SP's collectives on bf16 activations, the pipeline's zero-bubble W passes, the experts'
-# reductions over dp and ep
+# reductions over dp and ep (08: their ZeRO-2 units over the ep ranks' dp group of one, ZeRO-3's over dp 2)
 TRAINERS = {
     "02": {"dp2-bucket": ("bf16-20", ["--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0.002]),
            "dp2-overlap": ("bf16-16", ["--dp", 2, "--dp-mode", "overlap"]),
@@ -288,6 +288,8 @@ TRAINERS = {
            "tp2-sp-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 1]),
            "tp2-sp-zero2-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 2]),
            "tp2-kv1-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--num-kv-heads", 1, "--zero-stage", 1]),
+           "dp2-ep2-moe-zero2-bf16-20": ("bf16-20", ["--dp", 2, "--ep", 2, *MOE, "--zero-stage", 2]),
+           "dp2-moe-zero3-bf16-20": ("bf16-20", ["--dp", 2, *MOE, "--zero-stage", 3]),
            "pp2-fp16": ("fp16", ["--pp", 2])}}
 RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
         for trainer, runs in TRAINERS.items() for name, (precision, flags) in runs.items()}
@@ -361,7 +363,7 @@ def trainer_runs():
 def _model_flags(trainer, flags):
     """The flags that change the model itself, which the single-device reference takes too: 07's experts, or
     fewer kv heads (one: tp 2 holds each kv head twice, 04's replicas)."""
-    if trainer == "07":
+    if trainer == "07" or "--num-experts" in flags:
         return tuple(MOE)
     return tuple(flags[flags.index("--num-kv-heads"):][:2]) if "--num-kv-heads" in flags else ()
 
