@@ -396,8 +396,8 @@ FOUR_RANKS = {
     "zero3-dp2-pp2-interleaved-eval": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
                                              "--pp-chunks", 2, "--zero-stage", 3, "--eval-every", 1,
                                              "--eval-batches", 1, grad_acc=4),
-    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 3),
-    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 2),
+    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 3, mbs=1),
+    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 2, mbs=1),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                         "--num-experts", 4, "--zero-stage", 3)}
 
