@@ -104,6 +104,13 @@ class DistributedOptimizer:
                 z.gather(units)
         yield
 
+    def release(self):
+        """After an evaluation's forwards: no backward, so no reduce-scatter, will free what stage 3 gathered
+        (03's forward hooks free each unit after its forward); the full units are dropped here."""
+        for z in self.zeros if self.stage == 3 else ():
+            for unit in z.units:
+                unit.free()
+
     @contextlib.contextmanager
     def backward(self, chunk, final):
         """06's Pipeline runs every B and W inside: stages 2-3 reduce-scatter the dense units in the

@@ -7,8 +7,9 @@ with the trainers' own rules and prints, per rank of the first and last pipeline
 
   memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
              2 + 2 + 12 bytes, not the cheat-sheet's 18, E8: the bf16-16 layout 01 and 03 train; fp32:
-             4 + 4 + 8), ZeRO-1/2/3 sharding over the N = dp·cp ranks (with pp > 1 08's ZeRO-2/3 reduce
-             once per step: the full gradients, and ZeRO-3's gathered stage, are held through it);
+             4 + 4 + 8), ZeRO-1/2/3 sharding over the N = dp·cp ranks (the gradient shard in its reduce
+             dtype: bf16-20's fp32; with pp > 1 08's ZeRO-2/3 reduce once per step: the full gradients,
+             and ZeRO-3's gathered stage, are held through it);
              activations by 01's Korthikanti estimate for the micro-batches the schedule holds; the last
              stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
@@ -76,8 +77,11 @@ class Layout:
 
 
 def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed"):
-    """(weights, gradients, optimizer) bytes of `params` parameters with ZeRO over n ranks (ZeRO §5.1)."""
+    """(weights, gradients, optimizer) bytes of `params` parameters with ZeRO over n ranks (ZeRO §5.1).
+    ZeRO-2/3 keep the gradient shard in the dtype it is reduce-scattered in: bf16-20's fp32 buffer (4 bytes),
+    not its bf16 .grad beside it (03's flat_unit.py frees both full-size copies at the reduce-scatter)."""
     w, g, o = STATE_BYTES[precision]
+    g = GRADIENT_WIRE_BYTES[precision] if zero_stage >= 2 else g
     return (w * params / (n if zero_stage >= 3 else 1), g * params / (n if zero_stage >= 2 else 1),
             o * params / (n if zero_stage >= 1 else 1))
 

@@ -76,6 +76,7 @@ def eval_step(pipe, micro_batches, grid, args):
     device = micro_batches[0][0].device
     with torch.no_grad(), build.autocast(args, device):
         loss = schedules.forward_only(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])
+    pipe.grad_sync.release()                         # ZeRO-3: the units its forwards gathered
     return global_loss(loss, device, pipe, grid, args)
 
 

@@ -7,10 +7,13 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              and with interleaved V = 2;
              dp2 (ep2) × tp2 × pp2 with 4 experts, top-2, capacity factor 1, full recomputation (against
              07's single-device MoE, and its logged dropped rows);
-             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b (SP's sums before
-             each unit's reduce-scatter)
+             ZeRO-1: dp2 × tp2+sp × pp2 with zb-h1; ZeRO-3: dp2 × tp2+sp × pp2 with 1f1b over one kv head
+             (SP's and 04's kv-replica sums before each unit's reduce-scatter), saving a checkpoint every
+             step, then resumed from step 1 under ZeRO-2 (its one step must give 01's second)
     4 ranks  cp2 (contiguous) × pp2 with grad-acc 3 and selective recompute; cp2 (Ulysses) × pp2 afab;
-             tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter);
+             tp2+sp × pp2 with the Triton kernels and flash attention (Triton's CPU interpreter); ZeRO-3
+             and ZeRO-2 over dp2 × pp2 with the Triton kernels (08 gathers a chunk before its forward, so
+             the fused loss finds the head whole, which 03's hooks cannot promise);
              dp2 (ep2) × pp2 with zb-h1 and 4 experts, capacity factor 1 (07's dropped rows); experts under
              CP, 4 each: cp2 zig-zag × pp2 with full recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
              statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
@@ -26,14 +29,15 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
              experts (expert units reduced after the schedule); each also shows its reduction ran inside
              the schedule (`_check_in_backward`), and each ZeRO-3 run that it held, while building, at
-             most one unit's values at full size, never its stage (`_values_held`)
+             most one unit's values at full size, never its stage (`_values_held`); the interleaved one
+             evaluates after each step, and after that last evaluation no full unit is left (`resident`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
 (~1e-7 relative: the first step's norms agree to 1e-7), which AdamW's first updates (≈ lr·g/|g|,
 lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps are computed on those
 parameters and are the most sensitive number (1.1e-5 relative at step 2 of a float32 cp2 × pp2 run): 5e-5.
-The Triton layout is compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
+The Triton layouts are compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
 1e-3 (parameters): the kernels reorder float32 reductions themselves. The cp2 × pp2 layout with 3
 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
@@ -125,7 +129,10 @@ def _train(flag_set):
                 common.argv(*extra, steps=STEPS, mbs=mbs, grad_acc=grad_acc, dtype=dtype))
     finally:
         experts.log_dropped = log_dropped
-    units = [u for z in getattr(pipe.grad_sync, "zeros", []) for u in z.units]
+    zeros = getattr(pipe.grad_sync, "zeros", [])
+    units = [u for z in zeros for u in z.units]
+    # ZeRO-3's full units still allocated when the run is over (before full_state_dict gathers them)
+    resident = memory.held_bytes(u.full for z in zeros if z.stage == 3 for u in z.units)
     mine = everyone[torch.distributed.get_rank()]
     sent = {dim: sum(wire for (_, group), (_, _, wire) in mine["comm"].items() if group in groups)
             for dim, groups in GROUPS.items()}
@@ -133,9 +140,9 @@ def _train(flag_set):
                 eval_losses=[r.get("eval_loss") for r in records], dropped=logged,
                 coords=mine["coords"], states=mine["states"], sent=sent, comm=mine["comm"],
                 events=list(pipe.grad_sync.events), gathered=mine["gathered"], built=built["peak"],
+                resident=resident,
                 unit=max((u.padded * u.full.element_size() for u in units), default=0),   # the largest
-                shard_grads=memory.held_bytes(u.shard_grad for z in getattr(pipe.grad_sync, "zeros", [])
-                                              for u in z.units),                 # ZeRO-2/3's (U/N,) each
+                shard_grads=memory.held_bytes(u.shard_grad for u in units),        # ZeRO-2/3's (U/N,) each
                 state={pipeline.single_device_name(k): v.numpy()   # numpy: pickled by value; ZeRO-3 gathers
                        for k, v in pipe.grad_sync.full_state_dict(stages).items()},
                 checkpoints=_checkpoint_peaks(extra, stages, pipe, mbs, grad_acc))
@@ -214,8 +221,10 @@ def _check(flag_set, per_rank):
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
         evaluation = extra[extra.index("--eval-every"):][:4] if "--eval-every" in extra else []
+        # the model's own flag (tp > kv heads: 04's replicas), which 01 takes too
+        kv_heads = extra[extra.index("--num-kv-heads"):][:2] if "--num-kv-heads" in extra else []
         records, model = import_module("01_single_gpu.train").main(common.argv(
-            *evaluation, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+            *evaluation, *kv_heads, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
         ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for rank, run in enumerate(per_rank if evaluation else []):   # the same held-out batches everywhere
@@ -235,6 +244,8 @@ def _check(flag_set, per_rank):
             torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
                                        msg=lambda m: f"{what} {name}: {m}")
             covered.add(name)
+        # an evaluation (the last thing a run with --eval-every does) releases what ZeRO-3's forwards gathered
+        assert run["resident"] == 0, (what, run["resident"])
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
         planned = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
         params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
@@ -323,6 +334,7 @@ def _check_in_backward(run, layout, extra, whole, what):
 
 JSON_LOG = os.path.join(tempfile.mkdtemp(prefix="test_5d_"), "dp2_tp2_pp2.jsonl")    # rank 0 writes it
 ZERO1_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero1")
+ZERO3_CHECKPOINTS = os.path.join(os.path.dirname(JSON_LOG), "zero3")
 EIGHT_RANKS = {
     "dp2-tp2-pp2-1f1b-eval-pa": _flags("--dp", 2, "--tp", 2, "--pp", 2, "--pp-schedule", "1f1b", "--json-log",
                                        JSON_LOG, "--eval-every", 1, "--eval-batches", 1,
@@ -337,7 +349,12 @@ EIGHT_RANKS = {
                                           "--capacity-factor", 1, "--recompute", "full"),
     "zero1-dp2-tp2sp-pp2-zbh1": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--pp-schedule", "zb-h1",
                                        "--zero-stage", 1),
-    "zero3-dp2-tp2sp-pp2-1f1b": _flags("--dp", 2, "--tp", 2, "--sp", "--pp", 2, "--zero-stage", 3, grad_acc=4)}
+    "zero3-dp2-tp2sp-kv1-pp2-checkpoints": _flags("--dp", 2, "--tp", 2, "--sp", "--num-kv-heads", 1,
+                                                  "--pp", 2, "--zero-stage", 3, "--checkpoint-dir",
+                                                  ZERO3_CHECKPOINTS, "--checkpoint-every", 1, grad_acc=4),
+    "zero2-dp2-tp2sp-kv1-pp2-resumed": _flags("--dp", 2, "--tp", 2, "--sp", "--num-kv-heads", 1, "--pp", 2,
+                                              "--zero-stage", 2, "--checkpoint-dir", ZERO3_CHECKPOINTS,
+                                              "--resume", grad_acc=4)}
 FOUR_RANKS = {
     "cp2contiguous-pp2-selective-fp64": _flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2,
                                                "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
@@ -376,8 +393,11 @@ FOUR_RANKS = {
     "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
     "zero2-dp2-pp2-dualpipev": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
                                       "--zero-stage", 2, grad_acc=4),
-    "zero3-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
-                                        "--zero-stage", 3, grad_acc=4),
+    "zero3-dp2-pp2-interleaved-eval": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
+                                             "--pp-chunks", 2, "--zero-stage", 3, "--eval-every", 1,
+                                             "--eval-batches", 1, grad_acc=4),
+    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 3, mbs=1),
+    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 2, mbs=1),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                         "--num-experts", 4, "--zero-stage", 3)}
 

@@ -301,7 +301,7 @@ PRECISIONS = {"bf16-16": ("bfloat16", ["--precision-layout", "bf16-16"]),
 # × grad_acc 2: every --dp-mode and 08's ZeRO-1/2/3 over bf16-20's fp32 buffers (a pp2 chunk's two
 # micro-batches added in fp32 under 1F1B and ZB-H1; SP's and a replicated kv head's sums over tp on them),
 # TP's and SP's collectives on bf16 activations, the pipeline's zero-bubble W passes, the experts'
-# reductions over dp and ep
+# reductions over dp and ep (08: their ZeRO-2 units over the ep ranks' dp group of one, ZeRO-3's over dp 2)
 TRAINERS = {
     "02": {"dp2-bucket": ("bf16-20", ["--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0.002]),
            "dp2-overlap": ("bf16-16", ["--dp", 2, "--dp-mode", "overlap"]),
@@ -324,6 +324,8 @@ TRAINERS = {
            "tp2-sp-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 1]),
            "tp2-sp-zero2-bf16-20": ("bf16-20", ["--tp", 2, "--sp", "--zero-stage", 2]),
            "tp2-kv1-zero1-bf16-20": ("bf16-20", ["--tp", 2, "--num-kv-heads", 1, "--zero-stage", 1]),
+           "dp2-ep2-moe-zero2-bf16-20": ("bf16-20", ["--dp", 2, "--ep", 2, *MOE, "--zero-stage", 2]),
+           "dp2-moe-zero3-bf16-20": ("bf16-20", ["--dp", 2, *MOE, "--zero-stage", 3]),
            "pp2-fp16": ("fp16", ["--pp", 2])}}
 RUNS = {f"{trainer}-{name}": (trainer, precision, flags)
         for trainer, runs in TRAINERS.items() for name, (precision, flags) in runs.items()}
@@ -382,7 +384,10 @@ def _trainer_run(run):
                 tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
                 states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
                 gathered=rest[-1][dist.get_rank()]["gathered"] if trainer == "08" else 0,  # ZeRO-3's peak
-                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None)
+                pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None,
+                shard_grads=import_module("01_single_gpu.memory").held_bytes(      # ZeRO-2/3's (U/N,) each
+                    u.shard_grad for z in getattr(rest[0].grad_sync, "zeros", []) for u in z.units)
+                if trainer == "08" else 0)
 
 
 @pytest.fixture(scope="module")
@@ -394,7 +399,7 @@ def trainer_runs():
 def _model_flags(trainer, flags):
     """The flags that change the model itself, which the single-device reference takes too: 07's experts, or
     fewer kv heads (one: tp 2 holds each kv head twice, 04's replicas)."""
-    if trainer == "07":
+    if trainer == "07" or "--num-experts" in flags:
         return tuple(MOE)
     return tuple(flags[flags.index("--num-kv-heads"):][:2]) if "--num-kv-heads" in flags else ()
 
@@ -485,6 +490,10 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
             planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
             held = list(got["states"])
             if "--zero-stage" in flags and flags[flags.index("--zero-stage") + 1] > 1:
-                planned[1] = held[1]              # 08 counts the full .grad held before ZeRO-2 frees it
-                held[0] += got["gathered"] if "--pp" in flags else 0   # ZeRO-3 under PP: its stage at the peak
+                # ZeRO-2/3: the gradient shards (bf16-20: fp32, 4 bytes); under PP 08 reduces once per step,
+                # so the full gradients (its report's row) and ZeRO-3's gathered stage are held beside them.
+                # At pp 1 the planner's row is 03's, what 08 holds after the step (the shards)
+                pipelined = "--pp" in flags
+                held[1] = got["shard_grads"] + (held[1] if pipelined else 0)
+                held[0] += got["gathered"] if pipelined else 0
             assert held == planned, rank

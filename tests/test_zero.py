@@ -363,6 +363,10 @@ def _zero_against_adamw_rank(offload_param=False):
         dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5)
         torch.testing.assert_close(norm, dense_norm, rtol=1e-12, atol=0)
         dense_optimizer.step()
+    with torch.no_grad():                         # an evaluation: ZeRO-3's forward hooks free each unit
+        model(mine[:, :-1], labels=mine[:, 1:])
+    gathered = sum(u.full.untyped_storage().nbytes() for u in zero.units)
+    assert gathered == 0 if offload_param else gathered > 0, gathered       # ZeRO-1 keeps every unit whole
     with zero.gathered():                         # ZeRO-3: the host shards, gathered on the device
         for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
@@ -380,7 +384,8 @@ def test_zero1_step_equals_adamw_on_the_whole_batch():
 def test_offload_param_step_equals_adamw_on_the_whole_batch_in_float64():
     """The same for ZeRO-3 with its shards on the host (offload.ParameterOffload): each unit copied to the
     device and all-gathered around its use, the gradient slices summed into the host shards, AdamW on
-    them there; the same float64 tolerance and reasons."""
+    them there; the same float64 tolerance and reasons. After an evaluation (a forward under no_grad) no
+    unit is left gathered: the forward hooks free each (08 frees its chunks in eval_step)."""
     assert run_ranks(_zero_against_adamw_rank, 2, args=(True,), timeout=120) == [True, True]
 
 
