@@ -1,9 +1,10 @@
 """kernels/gpu_run.py, the one command a GPU session runs, works before a GPU is lent.
 
 Its --smoke run goes through every kind of stage on the CPU at tiny shapes (two trainer rows, a pytest
-subset, bench.py's code path) and the records must name what they measured; the budget, the per-stage
-time limit and the priority order are checked on their own; report.py must read the run back. The CPU
-run has no peak FLOP/s and no CUDA allocator, so its MFU and peak memory are null, as recorded.
+subset, bench.py's code path), importing nothing that needs `datasets`, and the records must name what
+they measured; the budget, the per-stage time limit and the priority order are checked on their own;
+report.py must read the run back. The CPU run has no peak FLOP/s and no CUDA allocator, so its MFU and
+peak memory are null, as recorded.
 """
 import json
 import math
