@@ -50,7 +50,9 @@ SMOKE_FLAGS = ["--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--
 MFU_CONVENTION = ("model FLOPs per token 6·N (matmul parameters) + 12·L·h·s (causal attention scores, "
                   "counted in full as PaLM does): 01_single_gpu/metrics.py")
 KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_fp8.py"]
-BENCH_ARGV = ["--quick", "--warmup", "5", "--iters", "20"]
+# The first shape of each kernel; torch.compile's column would cost a compile per kernel and pass
+BENCH_ARGV = ["--quick", "--no-compile"]
+CLOCKS = "clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.draw,power.limit,temperature.gpu"
 
 
 @dataclass(frozen=True)
@@ -125,15 +127,21 @@ def machine(log, env):
     if status != "ok":
         raise SystemExit(f"the machine probe failed:\n{output[-3000:]}")
     fields = json.loads(output.strip().splitlines()[-1])
-    text = [f"$ python: {fields}"]
-    for command in (["nvidia-smi"], ["nvidia-smi", "-q", "-d", "CLOCK"], ["nvcc", "--version"]):
+    text, clocks = [f"$ python: {fields}"], None
+    for command in (["nvidia-smi"], ["nvidia-smi", f"--query-gpu={CLOCKS}", "--format=csv"],
+                    ["nvidia-smi", "-q", "-d", "CLOCK"], ["nvcc", "--version"]):
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=60)
             text.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
         except (OSError, subprocess.TimeoutExpired) as error:
             text.append(f"$ {' '.join(command)}\n{type(error).__name__}: {error}")
+            continue
+        lines = done.stdout.splitlines()
+        if CLOCKS in command[1] and done.returncode == 0 and len(lines) >= 2:
+            # csv: a header naming each field and its unit, then the first GPU's values
+            clocks = dict(zip(lines[0].split(", "), lines[1].split(", ")))
     driver = re.search(r"Driver Version: (\S+)", "\n".join(text))
-    fields.update(driver=driver.group(1) if driver else None,
+    fields.update(driver=driver.group(1) if driver else None, clocks=clocks,
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   datasets_installed=importlib.util.find_spec("datasets") is not None)
     return fields, "\n".join(text)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 gpu_run = import_module("kernels.gpu_run")
 report = import_module("kernels.report")
 
-MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date")
+MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date", "clocks")
 TRAIN_FIELDS = ("vocab_size", "seq_len", "mbs", "grad_acc", "precision_layout", "kernels", "attn", "compile",
                 "tokens_per_s", "mfu", "mfu_convention", "peak_memory_gib", "dataset", "losses", "timed_steps")
 
