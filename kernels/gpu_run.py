@@ -13,7 +13,7 @@ JSON record to DIR/records.jsonl as it ends, so a run cut short keeps what ran; 
 out records "failed" / "timeout" and the tail of its output (all of it: DIR/log.txt). Last,
 kernels/report.py turns the records into DIR/section.md, the README section they give.
 
-    python kernels/gpu_run.py --out DIR --budget-s 480    # on the GPU (DIR: the device tool's $OUT)
+    python3 kernels/gpu_run.py --out DIR --budget-s 480   # on the GPU (DIR: the device tool's $OUT)
     python kernels/report.py --import-run DIR --write     # back here: keep the run, regenerate the README
     python kernels/gpu_run.py --out DIR --smoke           # CPU, tiny shapes (tests/test_gpu_run.py)
 """
