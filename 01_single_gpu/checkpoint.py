@@ -3,8 +3,9 @@
 Layout of `--checkpoint-dir DIR`:
     DIR/step_000100/rank_00000.safetensors   the pieces of state rank 0 is the first to hold: parameter
     DIR/step_000100/rank_00001.safetensors   values and AdamW's moments, by global name, block and range
-    DIR/step_000100/manifest.json            step, layout, arguments, model config, run id, every piece's
-                                             place, and each file's size and sha256; rank 0 writes it last
+    DIR/step_000100/manifest.json            step, layout, arguments, model config, run id, fp16's loss
+                                             scale, every piece's place, each file's size and sha256, and
+                                             its own sha256; rank 0 writes it last
 Pieces (global_state.py) make a checkpoint independent of the layout that saved it: `--resume` continues in
 any other layout of the same global batch (and `export_hf.py` writes it as a Hugging Face Llama). A checkpoint
 is written into `step_000100.tmp` and renamed into place when every rank has finished (an older copy of the
@@ -95,9 +96,12 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
         dist.all_gather_object(gathered, (files[0], listed))
         files, listed = [f for f, _ in gathered], [piece for _, pieces in gathered for piece in pieces]
     if rank == 0:
+        scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
         manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta,
                     "config": global_state.model_config(model), "optimizer_step": global_state.optimizer_step(optimizer),
-                    "files": dict(files), "pieces": listed}
+                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files), "pieces": listed}
+        manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
+        manifest["manifest_sha256"] = manifest_digest(manifest)
         (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _publish(scratch, final)
         _prune(Path(directory), step, meta["args"]["run_id"], keep_last, replace_other_runs)
@@ -145,6 +149,13 @@ def _prune(directory: Path, saved: int, run_id: str, keep_last: int, replace_oth
         shutil.rmtree(directory / f"step_{step:06d}")
 
 
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of the manifest without its own checksum: a changed value in it is blamed on it, not on
+    the data file whose recorded size or sha256 it changed."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def verify(folder: Path):
     """(problem or None, manifest or None): every file of the manifest there, with its size and sha256."""
     try:
@@ -153,6 +164,9 @@ def verify(folder: Path):
         return f"no {MANIFEST}: its save did not finish, or an older version of checkpoint.py wrote it", None
     except json.JSONDecodeError as error:
         return f"{MANIFEST} is not valid JSON ({error})", None
+    if "manifest_sha256" in manifest and manifest_digest(manifest) != manifest["manifest_sha256"]:
+        return (f"{MANIFEST} fails its own sha256 check: a value in it was changed after the save (the data "
+                f"files were not checked)"), None
     for name, entry in manifest.get("files", {}).items():
         path = folder / name
         if not path.is_file():
@@ -172,10 +186,13 @@ class Resume:
     skipped: list       # (step, problem) of the newer checkpoints that are unusable
 
 
-def newest_usable(directory) -> Resume:
-    """The newest checkpoint whose files match their manifest; a ValueError naming the fix if none does."""
+def newest_usable(directory, reader: bool = False) -> Resume:
+    """The newest checkpoint whose files match their manifest; a ValueError naming the fix if none does,
+    in the trainer's flags (--resume), or (`reader`) in those of generate.py and export_hf.py."""
+    fix = "pass a trainer's --checkpoint-dir"
     if not Path(directory).is_dir():
-        raise ValueError(f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
+        raise ValueError(f"--checkpoint-dir {directory} does not exist: {fix}" if reader else
+                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
     skipped = []
     for step in checkpoint_steps(directory):
         problem, manifest = verify(Path(directory) / f"step_{step:06d}")
@@ -183,10 +200,12 @@ def newest_usable(directory) -> Resume:
             return Resume(step, manifest.get("run_id"), skipped)
         skipped.append((step, problem))
     if not skipped:
-        raise ValueError(f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
-    raise ValueError(f"--resume: no usable checkpoint in {directory}: "
-                     + "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
-                     + ": start a new run (--overwrite)")
+        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}" if reader
+                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume")
+    problems = "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
+    raise ValueError(f"--checkpoint-dir {directory} holds no usable checkpoint: {problems}: pass the "
+                     f"--checkpoint-dir of a run whose save finished" if reader else
+                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run (--overwrite)")
 
 
 def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:
@@ -251,4 +270,8 @@ def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None 
             handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
         return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
     global_state.load(global_state.Assembler(manifest["pieces"], read), optimizer, model, manifest["optimizer_step"])
+    scaler = getattr(optimizer, "scaler", None)
+    # fp16's loss scale continues; saved without fp16 (or by an older version): --loss-scale-init
+    if scaler and manifest.get("loss_scaler"):
+        scaler.load_state_dict(manifest["loss_scaler"])
     return step

@@ -73,36 +73,39 @@ def print0(*args, **kwargs):
 def core_parser(description: str) -> argparse.ArgumentParser:
     p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model (a Llama; explicit sizes override the preset)")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    m.add_argument("--hidden-size", type=int)
-    m.add_argument("--intermediate-size", type=int)
-    m.add_argument("--num-layers", type=int)
-    m.add_argument("--num-heads", type=int)
-    m.add_argument("--num-kv-heads", type=int)
+    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="the model's shape; tiny: h 128, L 4, small: h 512, L 8, 1b: TinyLlama-1.1B's")
+    m.add_argument("--hidden-size", type=int, help="h, the model width (default: the preset's)")
+    m.add_argument("--intermediate-size", type=int, help="the SwiGLU MLP's inner width (default: the preset's)")
+    m.add_argument("--num-layers", type=int, help="L, transformer blocks (default: the preset's)")
+    m.add_argument("--num-heads", type=int, help="query heads; head_dim = h / heads (default: the preset's)")
+    m.add_argument("--num-kv-heads", type=int,
+                   help="key/value heads, at most --num-heads and dividing it (GQA; default: the preset's)")
     m.add_argument("--vocab-size", type=int, default=None,
                    help="default: the tokenizer's vocabulary rounded up to a multiple of 64 (divisible by tp)")
-    m.add_argument("--tie-embeddings", action="store_true")
+    m.add_argument("--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix")
     m.add_argument("--init-from", metavar="HF_DIR", help="start from HF-format weights (config.json + safetensors)")
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     t.add_argument("--mbs", type=int, default=8, help="micro-batch size (sequences per rank per micro-batch)")
     t.add_argument("--grad-acc", type=int, default=1, help="micro-batches per optimizer step")
     t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
-    t.add_argument("--warmup-steps", type=int, default=10)
+    t.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up to --lr over these steps")
     t.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
                    help="length of the warmup + cosine schedule (default: --steps); saved with checkpoints, so "
                         "--resume with a larger --steps keeps it (the extra steps run at lr·min-lr-ratio)")
     t.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW's decoupled decay of the matrices and embeddings; norm gains are not decayed")
     t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--seed", type=int, default=1234, help="the initialisation and the data order")
     t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="float32/float64: the whole model in that type; bfloat16/float16: autocast (float16 with "
                         "loss scaling); see --precision-layout where the trainer has it")
-    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: one GPU per rank (LOCAL_RANK's), NCCL; cpu: gloo")
     t.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation: selective recomputes only the attention core (Megatron)")
     t.add_argument("--kernels", choices=["torch", "triton"], default="torch",
@@ -119,7 +122,7 @@ def core_parser(description: str) -> argparse.ArgumentParser:
 
     o = p.add_argument_group("logging and checkpoints")
     o.add_argument("--json-log", metavar="PATH", help="one JSON object per optimizer step (rank 0 writes)")
-    o.add_argument("--log-every", type=int, default=1)
+    o.add_argument("--log-every", type=int, default=1, help="print every N-th step (--json-log has every step)")
     o.add_argument("--no-progress", action="store_true", help="no tqdm bar (one log line per step instead)")
     o.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak for MFU and HFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
@@ -134,7 +137,7 @@ def core_parser(description: str) -> argparse.ArgumentParser:
                                                  "(model states and activations per rank) in DIR")
     o.add_argument("--tensorboard", metavar="DIR",
                    help="TensorBoard event files in DIR (pip install tensorboard)")
-    o.add_argument("--checkpoint-dir", metavar="DIR")
+    o.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (see --checkpoint-every)")
     o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
     o.add_argument("--keep-last", type=int, default=0, metavar="N",
                    help="keep only the newest N checkpoints (0: keep all; a corrupt newest one falls back to older)")
@@ -162,6 +165,7 @@ def parse_args(parser, argv=None, files: bool = True):
     values only (08's planner, which reads no data and only the shapes of --init-from's config.json).
     """
     args = parser.parse_args(argv)
+    explicit_kv_heads = args.num_kv_heads is not None
     preset = dict(zip(("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"),
                       PRESETS[args.preset]))
     for name, value in preset.items():
@@ -170,6 +174,9 @@ def parse_args(parser, argv=None, files: bool = True):
     args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
     try:
         checks.check_values(args)
+        if args.num_kv_heads > args.num_heads and explicit_kv_heads:
+            raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
+                             f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
         if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
             args.num_kv_heads = args.num_heads
         if files:

@@ -9,6 +9,7 @@ into the line.
 import math
 import os
 import sys
+import tempfile
 from importlib import import_module
 from pathlib import Path
 
@@ -53,6 +54,22 @@ def check_values(args):
                          "there: pass one of them")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    check_triton(args.kernels, args.attn)
+
+
+def check_triton(kernels: str, attn: str):
+    """Triton kernels run on a CUDA GPU, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1)."""
+    flags = " and ".join(f"--{name} triton" for name, value in (("kernels", kernels), ("attn", attn))
+                         if value == "triton")
+    if not flags or torch.cuda.is_available():
+        return
+    try:
+        import triton
+    except ImportError:
+        raise ValueError(f"{flags} needs the triton package: pip install triton") from None
+    if not triton.knobs.runtime.interpret:
+        raise ValueError(f"{flags} needs a CUDA GPU and none is visible: on a CPU, start with TRITON_INTERPRET=1 "
+                         f"(Triton's interpreter, slow: for tests), or pass --kernels torch --attn sdpa")
 
 
 def check_inputs(args):
@@ -121,3 +138,8 @@ def check_output_folder(folder, flag: str, of=None):
         raise ValueError(f"{what}: the folder {folder} does not exist: create it or pass another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{what}: no permission to write in {existing}: pass another path")
+    try:    # os.access says yes to root everywhere, also on /proc or a read-only mount: try for real
+        tempfile.TemporaryDirectory(dir=existing, prefix=".write-check-").cleanup()
+    except OSError as error:
+        raise ValueError(f"{what}: cannot create a folder in {existing} ({error.strerror}): "
+                         f"pass another path") from None

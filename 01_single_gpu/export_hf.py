@@ -1,6 +1,6 @@
 """Export a checkpoint of any parallel layout as a Hugging Face Llama directory.
 
-    python 01_single_gpu/export_hf.py --checkpoint-dir ckpt --out hf_model [--step N]
+    python 01_single_gpu/export_hf.py --checkpoint-dir ckpt --out hf_model [--step N] [--overwrite]
 
 A checkpoint holds every parameter as pieces in global coordinates (global_state.py: name, TP block,
 ZeRO flat range), whatever layout saved it: dp × tp × pp × cp, ZeRO-1/2/3. This rebuilds each parameter
@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
 
-import argparse
 import json
 from importlib import import_module
 
 checkpoint = import_module("01_single_gpu.checkpoint")
+cli, cli_checks = import_module("01_single_gpu.cli"), import_module("01_single_gpu.cli_checks")
 global_state = import_module("01_single_gpu.global_state")
 hf_io = import_module("01_single_gpu.hf_io")
 modeling = import_module("01_single_gpu.model")
@@ -25,13 +25,21 @@ modeling = import_module("01_single_gpu.model")
 def read_checkpoint(checkpoint_dir, step=None):
     """(step, LlamaConfig, {01's parameter name: full tensor}, manifest) of checkpoint `step` (default: the
     newest usable) of `checkpoint_dir`, whatever layout saved it; generate.py samples from it."""
-    step = checkpoint.newest_usable(checkpoint_dir).step if step is None else step
+    if step is None or not Path(checkpoint_dir).is_dir():
+        newest = checkpoint.newest_usable(checkpoint_dir, reader=True).step     # raises for a missing folder
+        step = newest if step is None else step
     folder = Path(checkpoint_dir) / f"step_{step:06d}"
+    held = checkpoint.checkpoint_steps(checkpoint_dir)
+    if step not in held:
+        raise ValueError(f"--step {step}: {checkpoint_dir} holds no checkpoint of step {step}"
+                         + (f" (it holds {', '.join(map(str, held[:5]))}): pass one of those" if held else
+                            ": pass a trainer's --checkpoint-dir"))
     problem, manifest = checkpoint.verify(folder)
     if problem:
-        raise ValueError(f"{folder}: {problem}")
+        raise ValueError(f"--step {step}: {folder}: {problem}: pass another --step, or leave it out (the newest "
+                         f"usable checkpoint)")
     if manifest.get("format") != checkpoint.FORMAT:
-        raise ValueError(f"{folder} was written by an older checkpoint.py: it cannot be exported")
+        raise ValueError(f"{folder} was written by an older checkpoint.py: it cannot be read")
     if any(".mlp.experts." in piece["name"] for piece in manifest["pieces"]):
         raise ValueError(f"{folder} holds a mixture-of-experts model: a Hugging Face Llama has no experts")
     config = modeling.LlamaConfig(**manifest["config"])
@@ -52,21 +60,33 @@ def read_checkpoint(checkpoint_dir, step=None):
     return step, config, state, manifest
 
 
-def export(checkpoint_dir, out, step=None):
+def check_out(out, overwrite: bool):
+    """--out is a folder (created if missing) that holds no model, or --overwrite replaces it."""
+    cli_checks.check_output_folder(out, "--out")
+    held = [name for name in ("config.json", "model.safetensors", "model.safetensors.index.json")
+            if (Path(out) / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds a model ({', '.join(held)}): pass --overwrite to replace "
+                         f"it, or another --out")
+
+
+def export(checkpoint_dir, out, step=None, overwrite: bool = False):
     """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step."""
+    check_out(out, overwrite)
     step, config, state, _ = read_checkpoint(checkpoint_dir, step)
     hf_io.save_hf_state(state, config, out)
     return step
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-dir", required=True, help="a --checkpoint-dir of any trainer")
     parser.add_argument("--out", required=True, help="the folder to write config.json and model.safetensors to")
     parser.add_argument("--step", type=int, help="the step to export (default: the newest usable checkpoint)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the model an existing --out holds")
     args = parser.parse_args(argv)
     try:
-        step = export(args.checkpoint_dir, args.out, args.step)
+        step = export(args.checkpoint_dir, args.out, args.step, args.overwrite)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as error:
         parser.error(str(error))
     print(f"exported step {step} of {args.checkpoint_dir} to {args.out} (config.json, model.safetensors)")

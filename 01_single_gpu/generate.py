@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import b
 
 import contextlib
 import json
+import math
 from importlib import import_module
 
 import torch
@@ -97,9 +98,6 @@ def generate(model, ids, max_new_tokens: int, temperature: float = 0.0, top_k: i
 def load(checkpoint_dir=None, hf_dir=None, tokenizer=None, step=None):
     """(model, tokenizer name) from a checkpoint of any layout or from an HF directory."""
     if checkpoint_dir:
-        if not Path(checkpoint_dir).is_dir():
-            raise ValueError(f"--checkpoint-dir {checkpoint_dir} does not exist: pass a trainer's "
-                             f"--checkpoint-dir")
         _, config, state, manifest = export_hf.read_checkpoint(checkpoint_dir, step)
         model = modeling.LlamaForCausalLM(config)
         model.load_state_dict(state)
@@ -126,8 +124,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
-        parser.error("--temperature, --top-k and --max-new-tokens must be 0 or more")
+    if not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
+        parser.error(f"--temperature (a finite number), --top-k and --max-new-tokens must be 0 or more, got "
+                     f"{args.temperature}, {args.top_k} and {args.max_new_tokens}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is visible; use --device cpu")
     try:

@@ -134,13 +134,16 @@ def load(assembler, optimizer, model, step: float):
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     stepped_ids = {id(p) for p in stepped}
     others = [p for p in model.parameters() if id(p) not in stepped_ids and p.untyped_storage().nbytes() > 0]
-    for p in stepped:
+    # Saved before AdamW's first step (fp16: every step so far overflowed), a checkpoint holds no moments:
+    # the state stays empty, and AdamW creates it at its first step, as in the run that saved it.
+    moments = step > 0
+    for p in stepped if moments else []:
         optimizer.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     wanted = {}                                          # name -> [(local flat tensor, segment, quantity)]
     for p in stepped + others:
         for s in segments_of(p):
-            quantities = QUANTITIES if id(p) in stepped_ids else QUANTITIES[:1]
+            quantities = QUANTITIES if id(p) in stepped_ids and moments else QUANTITIES[:1]
             for q in quantities:
                 local = p.detach() if q == "value" else optimizer.state[p][q]
                 wanted.setdefault(s.name, []).append((local, s, q))

@@ -16,6 +16,7 @@ CPU) through torch.utils.tensorboard. Every line is strict JSON (a NaN or inf is
 resumed run first drops the lines after its checkpoint's step, so the file holds each step once.
 `profiler` is --profile DIR's torch.profiler.
 """
+import contextlib
 import json
 import math
 import os
@@ -79,7 +80,7 @@ def open_json_log(path, start: int, resume: bool):
     steps up to its checkpoint and drops the rest: the steps the run before logged after that checkpoint
     (they are run again) and a line torn by a crash."""
     path = Path(path)
-    if not (resume and path.exists()):
+    if not (resume and path.is_file()):   # not a device such as /dev/null: it is not read back
         return open(path, "w")
     kept = []
     for line in path.read_text().splitlines():
@@ -137,8 +138,7 @@ class StepLog:
         record.update(extra or {})
         self.records.append(record)
         if self.json:
-            self.json.write(json_line(record))
-            self.json.flush()
+            self.write_json(record)
         if self.tensorboard:
             self.write_tensorboard(record)
         if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
@@ -154,6 +154,20 @@ class StepLog:
                       f"tok/s {record['tokens_per_s']:.0f} | mfu {mfu} | hfu {hfu} | mem {mem}", flush=True)
         self.bar.update(1)
         return record
+
+    def write_json(self, record: dict):
+        """One line of --json-log; a failed write (a full disk) ends the run in one line (exit status 1)."""
+        try:
+            self.json.write(json_line(record))
+            self.json.flush()
+        except OSError as error:
+            with contextlib.suppress(OSError):     # close() flushes again: the record is lost either way
+                self.json.close()
+            self.json = None
+            import_module("01_single_gpu.cli").fail(
+                f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed "
+                f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so far "
+                f"are intact (--resume continues from the last one)", status=1)
 
     def write_tensorboard(self, record: dict):
         """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""

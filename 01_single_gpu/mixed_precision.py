@@ -108,6 +108,12 @@ class LossScaler:
     def __init__(self, scale: float, window: int):
         self.scale, self.window, self.good_steps = scale, window, 0
 
+    def state_dict(self) -> dict:       # saved in the checkpoint's manifest: an fp16 resume is bitwise
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict):
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
     def update(self, overflow: bool):
         if overflow:
             self.scale, self.good_steps = self.scale / 2, 0
@@ -203,9 +209,10 @@ class MixedPrecisionOptimizer:
         self.skipped, self.step_scale = overflow, self.scaler.scale if self.scaler else None
         if not overflow:
             copies = self.masters is not self.params and not self.hooked
-            for p, m in zip(self.params, self.masters) if copies else []:   # bf16-16: an fp32 copy for
-                grad = main_grad(p)                                         # the step; ZeRO's fp32 buffer
-                m.grad = None if grad is None else grad.to(m.dtype)         # (bf16-20): an alias
+            # bf16-16: an fp32 copy of each gradient for the step; ZeRO's fp32 buffer (bf16-20): an alias
+            for p, m in zip(self.params, self.masters) if copies else []:
+                grad = main_grad(p)
+                m.grad = None if grad is None else grad.to(m.dtype)
             self.optimizer.step()
             for p, m in zip(self.params, self.masters) if self.masters is not self.params else []:
                 p.copy_(m)                                                  # rounded to the weights' dtype

@@ -37,6 +37,25 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def total_norm(grads) -> torch.Tensor:
+    """‖g‖ over `grads`, accumulated in fp32 at least. torch's get_total_norm returns the gradients' dtype:
+    bf16-16's bf16 gradients would get a norm of 3 significant digits, and be clipped by it. Megatron takes
+    the norm of its fp32 main gradients; 03's, 04's and 06's norms sum their squares in fp32 too."""
+    grads = [g for g in grads if g is not None]
+    if not grads or grads[0].dtype not in (torch.float16, torch.bfloat16):
+        return torch.nn.utils.get_total_norm(grads)            # fp32, fp64: torch's own
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])   # (n,) fp32
+    return torch.linalg.vector_norm(norms)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ by `total_norm` (0: no clip, only the norm); returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    norm = total_norm([p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm or float("inf"), norm)
+    return norm
+
+
 def set_lr(optimizer, lr: float):
     for group in optimizer.param_groups:
         group["lr"] = lr

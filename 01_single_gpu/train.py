@@ -24,14 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import b
 import functools
 from importlib import import_module
 
-import torch
-
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
 metrics = import_module("01_single_gpu.metrics")
+optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 
 
@@ -40,13 +39,14 @@ def train_step(model, optimizer, micro_batches, args):
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for x, y in micro_batches:                                  # x, y: (mbs, T)
-            micro_loss = model(x, labels=y) / len(micro_batches)    # the mean over the global batch
-            optimizer.scale(micro_loss).backward()                  # gradients accumulate in .grad (bf16-20:
-            loss += micro_loss.detach()                             #   in fp32 buffers); fp16: × S
-    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; what holds the gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(holders, args.grad_clip or float("inf"))
-    optimizer.step(grad_norm)                                       # fp32 masters; fp16 overflow: skipped
+        for x, y in micro_batches:                              # x, y: (mbs, T)
+            micro_loss = model(x, labels=y) / len(micro_batches)   # the mean over the global batch
+            # the gradients accumulate in .grad (bf16-20: in fp32 buffers); fp16: backward of S·loss
+            optimizer.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    grad_norm = optim.clip_grad_norm(holders, args.grad_clip)   # summed in fp32 (bf16-16 too)
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return float(loss), grad_norm
 
 

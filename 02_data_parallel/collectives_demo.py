@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import argparse
+import math
 import time
 from importlib import import_module
 
@@ -191,6 +192,9 @@ def main(argv=None):
                    help="K, the elements of the ring all-reduce's tensor")
     p.add_argument("--sleep", type=float, default=1.0, help="seconds rank r sleeps ×r before the barrier")
     args = p.parse_args(argv)
+    if not (math.isfinite(args.sleep) and args.sleep >= 0) or args.ring_numel < 1:
+        p.error(f"--sleep must be 0 or more seconds (a finite number) and --ring-numel at least 1, got "
+                f"{args.sleep} and {args.ring_numel}")
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     for op in OPERATIONS:

@@ -23,6 +23,7 @@ With gradient accumulation only the last micro-batch synchronises (`no_sync`, DD
 New compared with 01: the gradient synchronisation; model, loop and optimizer are unchanged.
 """
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -213,8 +214,8 @@ def add_arguments(parser):
 
 
 def check_data_parallel(bucket_mb: float):
-    if bucket_mb <= 0:
-        raise ValueError(f"--bucket-mb must be positive, got {bucket_mb}")
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ValueError(f"--bucket-mb must be positive (a finite number), got {bucket_mb}")
 
 
 def wrap(params, group, mode: str, bucket_mb: float = 25.0, holders=None) -> DataParallel:

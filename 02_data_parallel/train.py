@@ -22,14 +22,13 @@ import functools
 import os
 from importlib import import_module
 
-import torch
-
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 loop = import_module("01_single_gpu.loop")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
+optim = import_module("01_single_gpu.optim")
 recompute = import_module("01_single_gpu.recompute")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
@@ -41,15 +40,17 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for i, (x, y) in enumerate(micro_batches):                  # x, y: (mbs, T), this rank's rows
+        for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
                 micro_loss = model(x, labels=y) / len(micro_batches)
-                optimizer.scale(micro_loss).backward()              # overlap/bucket: hooks all-reduce here
-            loss += micro_loss.detach()                             #   (bf16-20: the fp32 accumulators)
-    ddp.finish_gradients()                                          # wait (naive: all-reduce now); / dp
-    holders = optimizer.unscale_gradients()                         # fp16: ÷ S (01's mixed_precision.py)
-    grad_norm = torch.nn.utils.clip_grad_norm_(holders, args.grad_clip or float("inf"))   # the same on
-    optimizer.step(grad_norm)                                       #   every rank: so are fp16's skips
+                # overlap/bucket: hooks all-reduce here (bf16-20: the fp32 accumulators)
+                optimizer.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+    ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
+    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    # the norm of the all-reduced gradients: the same on every rank, so are fp16's skipped steps
+    grad_norm = optim.clip_grad_norm(holders, args.grad_clip)   # summed in fp32 (bf16-16 too)
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 

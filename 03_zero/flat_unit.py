@@ -129,8 +129,10 @@ class FlatUnit:
         for p, view in zip(self.params, self.views(self.full)):
             new = torch.nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
             new.__dict__.update(p.__dict__)                               # global_name, block, tp_sharded
-            new.data = view         # a view's data with a version counter of its own (as the real path's
-            self.materialized[id(p)] = new   # p.data = view): re-gathering `full` must not look like an edit
+            # a view's data with a version counter of its own (as the real path's p.data = view):
+            # re-gathering `full` must not look like an edit
+            new.data = view
+            self.materialized[id(p)] = new
         self.params = [self.materialized[id(p)] for p in self.params]
 
     def free(self):

@@ -40,25 +40,28 @@ layout_mod = import_module("03_zero.layout")
 
 def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     """02's step on ZeRO's shards; returns (global loss, gradient norm)."""
-    if offload and offload.device_stale:              # first step: the masters may come from a checkpoint
+    if offload and offload.device_stale:                        # the masters may come from a checkpoint
         offload.parameters_to_device()
     optimizer.zero_grad(set_to_none=True)
-    zero.zero_gradients()                             # stage 1: .grad views of flat buffers; 2-3: shard grads
+    zero.zero_gradients()                                       # stage 1: .grad views of flat buffers
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for x, y in micro_batches:                    # x, y: (mbs, T), this rank's rows
+        for x, y in micro_batches:                              # x, y: (mbs, T), this dp rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)
-            optimizer.scale(micro_loss).backward()    # 2-3: units reduce-scattered as their grads complete;
-            loss += micro_loss.detach()               #   3: each unit all-gathered before use, freed after
-    zero.finish_gradients()                           # stage 1: reduce-scatter now; every stage: / N
-    optimizer.unscale_gradients(zero.shards)          # fp16: the shards' gradients ÷ S (not offload's masters)
-    grad_norm = zero.clip_gradients(args.grad_clip)   # ‖g‖² = Σ over the ranks of ‖shard‖² (inf: an overflow)
+            # stages 2-3: each unit is reduce-scattered as its gradients complete
+            # stage 3: each unit is all-gathered before its forward and backward, freed after them
+            optimizer.scale(micro_loss).backward()
+            loss += micro_loss.detach()
+    zero.finish_gradients()                                     # stage 1: reduce-scatter now; all stages: / N
+    optimizer.unscale_gradients(zero.shards)                    # fp16: the shards' gradients ÷ S
+    grad_norm = zero.clip_gradients(args.grad_clip)             # ‖g‖² = Σ over the ranks of ‖shard‖²
     if offload:
-        offload.gradients_to_host()                   # ZeRO-Offload: the gradient shard, device -> host
-    optimizer.step(grad_norm)                         # AdamW on this rank's 1/N of the states (fp32 masters;
-    if offload:                                       #   offload: on the host; --offload param: the shards)
-        offload.parameters_to_device()                # the updated shard, host -> device
-    zero.gather_shards()                              # stages 1-2: all-gather the updated shards
+        offload.gradients_to_host()                             # ZeRO-Offload: the gradient shard to the host
+    # AdamW on this rank's 1/N of the states (offload: on the host; --offload param: the shards too)
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
+    if offload:
+        offload.parameters_to_device()                          # the updated shard, host -> device
+    zero.gather_shards()                                        # stages 1-2: all-gather the updated shards
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
@@ -88,8 +91,9 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: ZeRO materialises the flat units itself
     recompute.apply_recompute(model, args.recompute)
     precision = mixed_precision.layout_of(args)             # bf16-20: gradients reduced and summed in fp32
-    units, source = flat_unit.llama_units(model), build.source(model, args)   # stage 3: only this rank's
-    if args.offload == "param":                                                #   shard ever exists
+    # stage 3: only this rank's shard of each unit ever exists
+    units, source = flat_unit.llama_units(model), build.source(model, args)
+    if args.offload == "param":
         zero = offload_mod.ParameterOffload(units, grid.dp_group, source,      # ZeRO-3, shards on the host
                                             grad_dtype=precision.accumulation)
     else:

@@ -159,8 +159,9 @@ class ZeRO:
 
     def clip_gradients(self, max_norm):
         """torch's clip_grad_norm_ on the global gradient: ‖g‖² = Σ over ranks of ‖shard‖²."""
-        squares = self.shard_squares().to(self.units[0].full.device if self.units else None)  # () mine;
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)    # offload.py: from the host
+        # () this rank's ‖shard‖² (offload.py: computed on the host), summed on the device
+        squares = self.shard_squares().to(self.units[0].full.device if self.units else None)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
         norm = squares.sqrt()
         if max_norm > 0:
             self.scale_gradients((max_norm / (norm + 1e-6)).clamp(max=1.0))

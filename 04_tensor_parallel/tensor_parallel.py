@@ -119,10 +119,12 @@ class ScatterToTPRegion(torch.autograd.Function):
 
 
 def copy_to_tp_region(x, group):
+    """f: identity forward, all-reduce backward."""
     return CopyToTPRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x, group):
+    """f̄: all-reduce forward, identity backward."""
     return ReduceFromTPRegion.apply(x, group)
 
 
@@ -163,8 +165,8 @@ def shard_parameter(full, dim, tp_rank, tp_size):
 class ColumnParallelLinear(nn.Module):
     """Y_r = X·A_rᵀ: weight (out/t, in), rows [r·out/t, (r+1)·out/t) of the dense one.
 
-    X (…, in) must be identical on every rank, i.e. already inside the region (`enter_region` on the
-    module that reads it: one f for q, k and v together, as Megatron's fused QKV has one).
+    X (…, in) must be identical on every rank, i.e. already inside the region: the module that reads it
+    holds an `EnterRegion` (one f for q, k and v together, as Megatron's fused QKV has one).
     Output (…, out/t), or (…, out) with gather_output.
     """
 
@@ -175,6 +177,7 @@ class ColumnParallelLinear(nn.Module):
         self.linear_fn = F.linear           # the local matmul; ZB-H1 swaps in its split (06's zero_bubble.py)
 
     def forward(self, x):                                                 # (…, in)
+        # f is not here: the parent's EnterRegion applied it to x before the parent's forward ran
         y = self.linear_fn(x, self.weight)                                # (…, out/t)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -196,15 +199,35 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):                                                 # (…, in/t)
         return self.exit_region(self.linear_fn(x, self.weight), self.tp_group)   # (…, out) partial -> summed
 
+    def extra_repr(self):
+        return f"exit {contract(self.exit_region)}"
+
+
+class EnterRegion(nn.Module):
+    """Where a region begins: Megatron's f (`copy_to_tp_region`; SP: g), run on the input of the module
+    holding it by a forward pre-hook (as torchtitan's PrepareModuleInput): 01's forward stays as it was,
+    and `print(model)` lists the collective as `(enter_tp_region): EnterRegion(...)`."""
+
+    def __init__(self, enter, group):
+        super().__init__()
+        self.enter, self.group = enter, group
+
+    def forward(self, x):                                                 # (…, C): as the region needs it
+        return self.enter(x, self.group)
+
+    def extra_repr(self):
+        return contract(self.enter)
+
+
+def contract(region):
+    """A region function's name and docstring, for print(model)."""
+    return f"{region.__name__} ({(region.__doc__ or '').strip().rstrip('.')})"
+
 
 def enter_region(module, enter, group):
-    """Apply `enter` to the first input of `module` (from outside, keeping parameter names)."""
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(x, *rest):
-        return inner(enter(x, group), *rest)
-    module.forward = forward
+    """Run `enter` on the first input of `module`, from outside: no parameter, so no name, changes."""
+    module.enter_tp_region = EnterRegion(enter, group)
+    module.register_forward_pre_hook(lambda m, args: (m.enter_tp_region(args[0]), *args[1:]))
 
 
 # ======================================================================================

@@ -40,16 +40,19 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for i, (x, y) in enumerate(micro_batches):                  # x, y: (mbs, T), this dp rank's rows
-            with ddp.no_sync(enabled=i < len(micro_batches) - 1):
-                micro_loss = model(x, labels=y) / len(micro_batches)   # f / f̄ all-reduces over tp inside
-                optimizer.scale(micro_loss).backward()              # fp16: × S
+        for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
+            with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
+                # f / f̄ all-reduce over tp inside every block, forward and backward (print(model) shows them)
+                micro_loss = model(x, labels=y) / len(micro_batches)
+                # overlap/bucket: hooks all-reduce here (bf16-20: the fp32 accumulators)
+                optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
-    ddp.finish_gradients()                                          # mean over the dp replicas
-    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; bf16-20: the fp32 buffers
-    tensor_parallel.all_reduce_kv_replica_gradients(holders)        # tp > kv heads: a head's copies
-    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)   # Σ over tp:
-    optimizer.step(grad_norm)                                       #   every rank skips fp16's overflows
+    ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
+    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    tensor_parallel.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
+    # ‖g‖² summed over the tp shards: the same on every rank, so are fp16's skipped steps
+    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
@@ -80,8 +83,8 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                 # on meta: shapes only
     tensor_parallel.apply_tensor_parallel(model, grid)      # sliced on shapes
     build.materialize(model, args)                          # then this rank's shards get their values
-    partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # ZeRO-R P_a:
-                                          grid.tp_group)    # with the flag, checkpoints in 1/tp slices
+    # ZeRO-R's P_a: with --partition-activations, each checkpoint kept in 1/tp slices
+    partition_activations.apply_recompute(model, args.recompute, args.partition_activations, grid.tp_group)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
                              holders=optimizer.holders_of(model.parameters()))

@@ -68,10 +68,12 @@ class ReduceScatterToSPRegion(torch.autograd.Function):
 
 
 def gather_from_sp_region(x, group):
+    """g: all-gather along T forward, reduce-scatter backward."""
     return GatherFromSPRegion.apply(x, group)
 
 
 def reduce_scatter_to_sp_region(x, group):
+    """ḡ: reduce-scatter along T forward, all-gather backward."""
     return ReduceScatterToSPRegion.apply(x, group)
 
 

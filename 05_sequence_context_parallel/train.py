@@ -48,19 +48,25 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
     positions = layout.positions(grid.cp_rank, args.seq_len, micro_batches[0][0].device)   # (T/cp,)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for i, (x, y) in enumerate(micro_batches):                  # x, y: (mbs, T), this dp rank's rows
-            with ddp.no_sync(enabled=i < len(micro_batches) - 1):
-                micro_loss = model(x[:, positions], labels=y[:, positions],            # (mbs, T/cp) each
+        for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
+            with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
+                # SP's g / ḡ and the ring's K/V hops run inside forward and backward
+                micro_loss = model(x[:, positions], labels=y[:, positions],   # (mbs, T/cp) each
                                    position_ids=positions) / len(micro_batches)
-                optimizer.scale(micro_loss).backward()              # SP's g/ḡ, the ring's K/V hops inside
+                # overlap/bucket: hooks all-reduce here (bf16-20: the fp32 accumulators)
+                optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
-    ddp.finish_gradients()                                          # mean over the cp×dp ranks
-    holders = optimizer.unscale_gradients()                         # fp16: ÷ S; bf16-20: the fp32 buffers
-    tensor_parallel.all_reduce_kv_replica_gradients(holders)        # tp > kv heads: a head's copies
-    if args.sp:   # each tp rank's norms saw T/(cp·tp) tokens: sum over tp (after DP's async all-reduces,
-        sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)   # which read these grads)
+    # over the cp×dp ranks: `ddp` was built on grid.cp_dp_group
+    ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
+    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    tensor_parallel.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
+    # SP: each tp rank's norms saw T/(cp·tp) tokens, so their gradients are summed over tp, after
+    # DP's asynchronous all-reduces (which read these gradients)
+    if args.sp:
+        sequence_parallel.all_reduce_norm_gradients(norm_weights, grid.tp_group)
+    # ‖g‖² summed over the tp shards: the same on every rank, so are fp16's skipped steps
     grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)
-    optimizer.step(grad_norm)                                       # fp16 overflow: skipped on every rank
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.cp_dp_group), grad_norm
 
 
@@ -96,8 +102,8 @@ def run(args, config, dataset, grid):
     model = build.build_model(args, config)                         # on meta: shapes only
     layout_mod.parallelize(model, args, grid)                       # TP (+ SP), then CP, on shapes
     build.materialize(model, args)                                  # then this rank's shards get their values
-    partition_activations.apply_recompute(model, args.recompute, args.partition_activations,   # 04's P_a:
-                                          grid.tp_group)    # (B, T/cp, C) checkpoints kept as (B, T/cp, C/tp)
+    # 04's P_a: (B, T/cp, C) checkpoints kept as (B, T/cp, C/tp)
+    partition_activations.apply_recompute(model, args.recompute, args.partition_activations, grid.tp_group)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.cp_dp_group, args.dp_mode, args.bucket_mb,
                              holders=optimizer.holders_of(model.parameters()))

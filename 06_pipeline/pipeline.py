@@ -44,7 +44,8 @@ V_SHAPED = ("zb-v", "dualpipev")             # two chunks per rank placed V-wise
 def add_arguments(parser):
     """--pp-schedule --pp-chunks --timeline (the degree --pp is process_grid's); 08 takes them too."""
     g = parser.add_argument_group("pipeline parallelism (06; --grad-acc is the number of micro-batches m)")
-    g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    g.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b",
+                   help="all-forward-all-backward, 1F1B, interleaved 1F1B, zero bubble (H1, V) or DualPipeV")
     g.add_argument("--pp-chunks", type=int, default=1,
                    help="model chunks per rank (V): interleaved, or 2 for zb-v and dualpipev")
     g.add_argument("--timeline", metavar="PATH.png",

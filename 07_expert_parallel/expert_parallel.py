@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 moe = import_module("07_expert_parallel.moe")
+optim = import_module("01_single_gpu.optim")
 data_parallel = import_module("02_data_parallel.data_parallel")
 
 
@@ -131,9 +132,8 @@ def clip_grad_norm_ep(params, max_norm, expert_params, ep_group, dense_norm=None
     different experts); by default the dense weights are whole and there is one stage."""
     expert_ids = {id(p) for p in expert_params}
     dense = [p for p in params if id(p) not in expert_ids]
-    dense_norm = (dense_norm or (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps
-                                                                            if p.grad is not None])))(dense)
-    expert_sq = torch.nn.utils.get_total_norm([p.grad for p in expert_params]).pow(2)
+    dense_norm = (dense_norm or (lambda ps: optim.total_norm([p.grad for p in ps])))(dense)   # fp32
+    expert_sq = optim.total_norm([p.grad for p in expert_params]).pow(2)
     dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=ep_group)        # (): Σ over the ep group
     if pp_group is not None:
         dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=pp_group)    # (): Σ over the stages

@@ -235,16 +235,14 @@ def apply_moe(model, num_experts: int, top_k: int, aux_loss_coef: float, seed: i
 def check_moe(num_experts: int, top_k: int, aux_loss_coef: float, shared_experts: int = 0,
               capacity_factor: float = 0.0, router_z_loss: float = 0.0):
     for flag, value in (("--shared-experts", shared_experts), ("--capacity-factor", capacity_factor),
-                        ("--router-z-loss", router_z_loss)):
-        if value < 0:
-            raise ValueError(f"{flag} must be non-negative, got {value}")
+                        ("--router-z-loss", router_z_loss), ("--aux-loss-coef", aux_loss_coef)):
+        if not (math.isfinite(value) and value >= 0):    # NaN < 0 is False: it would pass a plain `< 0`
+            raise ValueError(f"{flag} must be non-negative (a finite number), got {value}")
     if num_experts < 1:
         raise ValueError(f"--num-experts must be at least 1, got {num_experts}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"--top-k {top_k} must be between 1 and --num-experts {num_experts} "
                          f"(each token picks k different experts)")
-    if aux_loss_coef < 0:
-        raise ValueError(f"--aux-loss-coef must be non-negative, got {aux_loss_coef}")
 
 
 def add_arguments(parser, num_experts: int = 4):

@@ -47,15 +47,18 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
     with build.autocast(args, micro_batches[0][0].device):
-        for x, y in micro_batches:                        # x, y: (mbs, T), this rank's rows
+        for x, y in micro_batches:                              # x, y: (mbs, T), this dp rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)   # cross-entropy + α·Σ aux + β·Σ z-loss
-            dropped.append(moe.dropped_rows(model))       # read before backward (a recompute repeats forward)
-            optimizer.scale(micro_loss).backward()        # EP: the all-to-alls' backward sends gradients home
+            dropped.append(moe.dropped_rows(model))             # before backward: a recompute repeats forward
+            # EP: the all-to-alls' backward sends the gradients home
+            optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
-    optimizer.unscale_gradients()                         # fp16: ÷ S (bf16-20: `dense`, `experts` are fp32)
-    expert_parallel.sync_gradients(dense, experts, grid)  # dense: mean over dp; experts: Σ expert_dp, / dp
+    optimizer.unscale_gradients()                               # fp16: ÷ S; `dense`, `experts`: the holders
+    # dense: the mean over dp; experts: Σ over expert_dp, / dp
+    expert_parallel.sync_gradients(dense, experts, grid)
+    # the experts' ‖g‖² summed over ep, each expert once: the same on every rank, so are fp16's skipped steps
     grad_norm = expert_parallel.clip_grad_norm_ep(dense + experts, args.grad_clip, experts, grid.ep_group)
-    optimizer.step(grad_norm)                             # Σ over ep: every rank skips fp16's overflows
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 

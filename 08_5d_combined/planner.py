@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
+import math
 from dataclasses import dataclass
 from importlib import import_module
 from types import SimpleNamespace
@@ -118,10 +119,13 @@ def stage_memory(config, layout: Layout, seq_len: int, mbs: int, grad_acc: int, 
     states = [a + b for a, b in zip(model_states(dense, n, layout.zero_stage, layout.precision),
                                     model_states(expert, max(n // layout.ep, 1), layout.zero_stage,
                                                  layout.precision))]
-    if layout.pp > 1 and layout.zero_stage >= 2:   # 08 under a schedule reduces once per step (gradient_sync):
-        w, g, _ = STATE_BYTES[layout.precision]     # the full gradients accumulate until a chunk's last B/W
-        states[1] += g * (dense + expert)           # reduce-scatters them, beside the shards
-        if layout.zero_stage == 3:                  # and the stage's units stay gathered from its first F
+    # 08 under a schedule reduces once per step (gradient_sync.py): the full gradients accumulate beside
+    # the shards until a chunk's last B/W reduce-scatters them, and ZeRO-3 keeps the stage's units
+    # gathered from its first F
+    if layout.pp > 1 and layout.zero_stage >= 2:
+        w, g, _ = STATE_BYTES[layout.precision]
+        states[1] += g * (dense + expert)           # the full gradients
+        if layout.zero_stage == 3:
             states[0] += w * (dense + expert)
     e = ACTIVATION_BYTES[layout.precision]
     chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
@@ -153,10 +157,12 @@ def stage_communication(config, layout: Layout, seq_len: int, mbs: int, m: int, 
     # --- tensor parallelism (+ SP) ---
     per_layer = 4 if layout.num_experts else 8                               # attention (+ the dense MLP)
     passes = per_layer * layers + 2 * first + 2 * last
-    if layout.recompute == "full":   # the forward's collectives again: all under Megatron's checkpoint
-        whole = getattr(config, "architecture", "llama") == "gpt"     # (reentrant); 01's non-reentrant one
-        passes += (per_layer // 2 if whole else 2) * layers    # stops before the MLP's exit all-reduce,
-        #                                                  once backward's tensors are back (torch's early stop)
+    # full recompute runs the forward's collectives again: all of them under Megatron's (reentrant)
+    # checkpoint; 01's non-reentrant one stops before the MLP's exit all-reduce, once backward's tensors
+    # are back (torch's early stop)
+    if layout.recompute == "full":
+        whole = getattr(config, "architecture", "llama") == "gpt"
+        passes += (per_layer // 2 if whole else 2) * layers
     tp = m * passes * ((t - 1) * tokens * h * e // t)
     tp += m * layers * layout.partition_activations * ((t - 1) * tokens * h * e // t)   # P_a's all-gathers
     tp += m * last * 3 * ring(t, tokens * 4)
@@ -259,6 +265,10 @@ def layout_of(args) -> Layout:
 def main(argv=None):
     parser = build_parser()
     args = cli.parse_args(parser, argv, files=False)   # no data, and only --init-from's config.json
+    for name in ("gpu_mem", "bw_intra", "bw_inter", "hbm_tbps", "train_tokens"):   # search.py's last two
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
     if args.search:
         return import_module("08_5d_combined.search_report").main(args, parser)
     search, layout = import_module("08_5d_combined.search"), layout_of(args)

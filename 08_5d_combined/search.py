@@ -275,7 +275,7 @@ def search(args, config, cluster: Cluster, batch: int):
                                 check_rules(args, config, dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
                                             pp_schedule=schedule, pp_chunks=chunks, grad_acc=2 * pp)
                             except ValueError as error:
-                                pruned[re.sub(r"\d+", "N", re.split(r"[:;(]", str(error))[0].strip())] += 1
+                                pruned[re.split(r"[:;(]", str(error))[0].strip()] += 1
                                 continue
                             plans += _options(config, base, args.seq_len, batch, zero, recomputes, cluster,
                                               args.max_mbs, pruned)

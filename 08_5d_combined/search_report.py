@@ -10,6 +10,7 @@ stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
 
 New compared with planner.py's table: the reasons, in the words of the rules that chose.
 """
+import math
 from importlib import import_module
 
 cli_checks = import_module("01_single_gpu.cli_checks")
@@ -123,8 +124,8 @@ def check_search(args):
     for name in ("gpus_per_node", "max_chunks", "max_mbs", "max_cp", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.mem_reserve < 0:
-        raise ValueError(f"--mem-reserve must be 0 or more GB, got {args.mem_reserve}")
+    if not (math.isfinite(args.mem_reserve) and args.mem_reserve >= 0):
+        raise ValueError(f"--mem-reserve must be 0 or more GB (a finite number), got {args.mem_reserve}")
     for flag, value, allowed in (("--search-zero", args.search_zero, "0 1 2 3"),
                                  ("--search-recompute", args.search_recompute, "none selective full"),
                                  ("--search-schedules", args.search_schedules,

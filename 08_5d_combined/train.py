@@ -18,7 +18,7 @@ global batch's mean loss, the same number as 01's (07's with experts).
 It prints the memory per rank (per pipeline stage), one line or bar per step, the communication of the
 first rank of each stage per process group, the bubble of the last step, and with --capacity-factor
 07's rows dropped over capacity, the whole model's (experts.log_dropped). Not composed: experts with --sp.
-New in the step compared with 02-07: nothing but their composition, written out in device order.
+New in the step compared with 06: the lines of 02-05 and 07 around its schedule, in device order.
 """
 import sys
 from pathlib import Path
@@ -51,19 +51,22 @@ layout = import_module("08_5d_combined.layout")
 def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     """The composition of 02-07's steps; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
-    sync.zero_gradients()                            # ZeRO-1: every .grad a view of its unit's flat buffer
-    positions = pipe.stages[0].position_ids          # (T/cp,) this rank's tokens of every sequence (05)
-    with build.autocast(args, micro_batches[0][0].device):   # 06's schedule (fp16: backward from S·loss);
-        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](   # TP/SP/CP/EP inside its passes, and the
-        #                                                      gradient sync's (gradient_sync.py):
-            pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])          # (mbs, T/cp) each
-    #   ZeRO-3 gathers a chunk before its first F; DP overlap/bucket and ZeRO-2/3 reduce in its last B, W
-    sync.finish_gradients()                          # DP naive, ZeRO-1: reduce over cp×dp now, the others
-    #                                                  wait; / N; SP's norm and 04's kv-copy grads summed over tp
-    optimizer.unscale_gradients()                    # fp16: ÷ S (ZeRO: the shards' gradients)
-    grad_norm = sync.clip_gradients(args.grad_clip)  # ‖g‖² over every shard, replica and stage (04, 07): the
-    optimizer.step(grad_norm)                        #   same on every rank, so are fp16's skipped steps
-    sync.gather_shards()                             # ZeRO-1/2: the updated shards back into every replica
+    sync.zero_gradients()                                       # ZeRO-1: .grad views of the flat buffers
+    positions = pipe.stages[0].position_ids                     # (T/cp,) this rank's tokens (05)
+    with build.autocast(args, micro_batches[0][0].device):
+        # F, B (, W) of every micro-batch in the schedule's order; p2p between the stages inside
+        # TP/SP/CP/EP run inside the passes; ZeRO-3 gathers a chunk before its first F
+        # DP overlap/bucket and ZeRO-2/3 reduce in a chunk's last B or W (gradient_sync.py)
+        loss = schedules.SCHEDULE_STEPS[args.pp_schedule](
+            pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])   # (mbs, T/cp) each
+    # DP naive and ZeRO-1 reduce over cp×dp now, the others wait; then / N, and SP's norm and
+    # 04's kv-copy gradients are summed over tp
+    sync.finish_gradients()
+    optimizer.unscale_gradients()                               # fp16: ÷ S (ZeRO: the shards' gradients)
+    # ‖g‖² over every shard, replica and stage (04, 07): the same on every rank, so are fp16's skipped steps
+    grad_norm = sync.clip_gradients(args.grad_clip)
+    optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
+    sync.gather_shards()                                        # ZeRO-1/2: all-gather the updated shards
     return global_loss(loss, micro_batches[0][0].device, pipe, grid, args), grad_norm
 
 
@@ -144,15 +147,16 @@ def run(args, config, dataset, grid):
     device = build.device_of(args)
     full = build.build_model(args, config)                 # 1. on meta, kernels applied: shapes only
     stages = layout.parallelize(full, args, grid, device)  # 2-5. TP/SP, CP, MoE/EP, PP, recompute (shapes)
-    source = build.source(full, args) if args.zero_stage == 3 else None   # ZeRO-3 (6.) draws only its flat
-    if source is None:                                     # shards from it, by global name and block (03)
+    # ZeRO-3 (6.) draws only its flat shards from `source`, by global name and block (03)
+    source = build.source(full, args) if args.zero_stage == 3 else None
+    if source is None:
         build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
     dropped = experts.count_dropped(stages, []) if args.capacity_factor else []   # rows over capacity (07)
-    sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args,   # 6. DP or
-                                         source)        # ZeRO, and 01's AdamW (fp32 masters) on its shards
+    # 6. DP or ZeRO, and 01's AdamW (fp32 masters) on its shards
+    sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args, source)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
     p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
                        args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)

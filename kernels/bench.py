@@ -11,6 +11,8 @@ forward + backward. It reports:
       fraction of an 8192³ bf16 matmul measured in the same run;
   fused linear cross-entropy: TFLOP/s of its GEMMs (2·N·V·C forward, 6·N·V·C with backward), and the
       peak extra memory of forward + backward against eager (torch.cuda.max_memory_allocated).
+Beside the event time each row has the GPU time (the events with the host's enqueue hidden behind a
+sleep kernel) and the call's GPU launches: kernels/gpu_timer.py says how and why.
 
     python kernels/bench.py                    # every shape, with torch.compile (~10-20 min)
     python kernels/bench.py --quick --no-compile --plot
@@ -24,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python kernels/bench.py` from anywhere
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -38,7 +41,9 @@ DEVICE = "cuda"           # the one place the device is named
 DTYPE = torch.bfloat16
 # (tokens N = seq at batch 1, hidden C, intermediate F): Llama-3.2-1B and Llama-3-8B widths
 ROW_SHAPES = [(2048, 2048, 8192), (8192, 2048, 8192), (2048, 4096, 14336), (8192, 4096, 14336)]
-ATTN_SHAPES = [(1, 32, 8, 2048, 128), (1, 32, 8, 8192, 128)]   # B, nh, nkv, T, hd (Llama-3-8B attention)
+# B, nh, nkv, T, hd: Llama-3-8B's attention (hd 128) and Llama-3.2-1B's (hd 64); the last one is the
+# largest, which report.py shows
+ATTN_SHAPES = [(1, 32, 8, 2048, 128), (1, 32, 8, 2048, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 8192, 128)]
 CE_SHAPES = [(2048, 2048, 128256), (8192, 4096, 128256)]       # N tokens, C, V (Llama-3 vocabulary)
 EAGER_ATTN_MAX_T = 4096   # beyond it, eager's (B, nh, T, T) float32 scores and their gradients exceed 30 GB
 
@@ -90,7 +95,10 @@ def forward_backward(fn, inputs, grad_out):
     return run
 
 
-def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work_fwd, work_fwd_bwd):
+def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work_fwd, work_fwd_bwd,
+          gpu=None):
+    """One row per implementation and pass; gpu(run) -> {"gpu_ms", "launches"} (gpu_timer.GpuTime) adds
+    the GPU time, its fraction of the peak and the launch count."""
     peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["matmul_bf16_tflops"]
     to_rate = 1e6 if unit == "GB/s" else 1e9           # bytes/ms -> GB/s, FLOP/ms -> TFLOP/s
     for impl, fn in impls.items():
@@ -103,15 +111,24 @@ def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work
             except Exception as e:   # an OOM or a compile failure is a result too; keep going
                 row.update(ms=None, error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
                 torch.cuda.empty_cache()
+            if gpu is not None and row["ms"] is not None:
+                try:
+                    row.update(gpu(run))
+                    row.update(gpu_of_peak=work / row["gpu_ms"] / to_rate / peak)
+                except Exception as e:   # e.g. no profiler on this machine: the event time still stands
+                    row.update(gpu_ms=None, launches=None, gpu_error=f"{type(e).__name__}: {str(e)[:120]}")
             rows.append(row)
             print(format_row(row), flush=True)
 
 
 def format_row(r):
     if r.get("ms") is None:
-        return f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | failed: {r['error']} | | |"
+        return f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | failed: {r['error']} | | | | |"
+    gpu = f"{r['gpu_ms']:.3f} ({100 * r['gpu_of_peak']:.0f}%)" if r.get("gpu_ms") is not None else "-"
+    launches = r.get("launches")
     return (f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | "
-            f"{r['rate']:.1f} {r['unit']} | {100 * r['of_peak']:.0f}% |")
+            f"{r['rate']:.1f} {r['unit']} | {100 * r['of_peak']:.0f}% | {gpu} | "
+            f"{'-' if launches is None else launches} |")
 
 
 def peak_extra_gib(fn, inputs):
@@ -128,11 +145,12 @@ def gib_text(gib):
     return "failed" if gib is None else f"{gib:.2f}"
 
 
-def run_all(args, timer, peaks):
+def run_all(args, timer, peaks, gpu=None):
     rms, swi, rot = (import_module(f"kernels.{m}") for m in ("rmsnorm", "swiglu", "rope"))
     flce, fa = import_module("kernels.fused_linear_cross_entropy"), import_module("kernels.flash_attention")
     modeling = import_module("01_single_gpu.model")
     rows, memory = [], []
+    measure = functools.partial(bench, rows, timer, peaks, gpu=gpu)     # adds one kernel's rows
     take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
     randn = lambda *s, grad=True: (torch.randn(*s, device=DEVICE, dtype=DTYPE)  # noqa: E731
                                    .requires_grad_(grad))
@@ -147,18 +165,18 @@ def run_all(args, timer, peaks):
     for n, c, f in take(ROW_SHAPES):
         b = 2
         x, w = randn(n, c), randn(c)
-        bench(rows, timer, peaks, "rmsnorm", f"N={n} C={c}",
-              impls(lambda x, w: rms.rmsnorm_reference(x, w, 1e-5), lambda x, w: rms.rmsnorm(x, w, 1e-5)),
-              (x, w), torch.randn_like(x), "GB/s", 2 * n * c * b, 5 * n * c * b)
+        measure("rmsnorm", f"N={n} C={c}",
+                impls(lambda x, w: rms.rmsnorm_reference(x, w, 1e-5), lambda x, w: rms.rmsnorm(x, w, 1e-5)),
+                (x, w), torch.randn_like(x), "GB/s", 2 * n * c * b, 5 * n * c * b)
         gate, up = randn(n, f), randn(n, f)
-        bench(rows, timer, peaks, "swiglu", f"N={n} F={f}", impls(swi.swiglu_reference, swi.swiglu),
-              (gate, up), torch.randn_like(gate), "GB/s", 3 * n * f * b, 8 * n * f * b)
+        measure("swiglu", f"N={n} F={f}", impls(swi.swiglu_reference, swi.swiglu),
+                (gate, up), torch.randn_like(gate), "GB/s", 3 * n * f * b, 8 * n * f * b)
         q = randn(1, c // 128, n, 128)                                         # (B, nh, T, hd)
         head = modeling.LlamaConfig(hidden_size=128, num_attention_heads=1, num_key_value_heads=1,
                                     rope_theta=500000.0)                       # one Llama-3 head, hd 128
         cos, sin = modeling.rotary_cos_sin(torch.arange(n, device=DEVICE), head, DTYPE)      # (T, hd)
-        bench(rows, timer, peaks, "rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
-              (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
+        measure("rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
+                (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
 
     for B, nh, nkv, T, hd in take(ATTN_SHAPES):
         q, k, v = randn(B, nh, T, hd), randn(B, nkv, T, hd), randn(B, nkv, T, hd)
@@ -168,15 +186,15 @@ def run_all(args, timer, peaks):
         if T > EAGER_ATTN_MAX_T:
             variants = {k: fn for k, fn in variants.items() if k in ("sdpa-flash", "triton")}
         flops = 4 * B * nh * T * T * hd / 2                                   # causal: half the scores
-        bench(rows, timer, peaks, "attention", f"B={B} nh={nh} nkv={nkv} T={T} hd={hd}", variants,
-              (q, k, v), torch.randn_like(q), "TFLOP/s", flops, 3.5 * flops)
+        measure("attention", f"B={B} nh={nh} nkv={nkv} T={T} hd={hd}", variants,
+                (q, k, v), torch.randn_like(q), "TFLOP/s", flops, 3.5 * flops)
 
     for n, c, vocab in take(CE_SHAPES):
         h, w = randn(n, c), (torch.randn(vocab, c, device=DEVICE, dtype=DTYPE) * 0.02).requires_grad_()
         targets = torch.randint(0, vocab, (n,), device=DEVICE)
         variants = impls(flce.linear_cross_entropy_reference, flce.fused_linear_cross_entropy)
-        bench(rows, timer, peaks, "linear+cross-entropy", f"N={n} C={c} V={vocab}", variants,
-              (h, w, targets), None, "TFLOP/s", 2 * n * vocab * c, 6 * n * vocab * c)
+        measure("linear+cross-entropy", f"N={n} C={c} V={vocab}", variants,
+                (h, w, targets), None, "TFLOP/s", 2 * n * vocab * c, 6 * n * vocab * c)
         for impl, fn in variants.items():
             try:
                 gib = peak_extra_gib(fn, (h, w, targets))
@@ -209,7 +227,10 @@ def write_results(meta, peaks, rows, memory):
              f"Written by `python kernels/bench.py`.", "",
              f"Measured peaks in this run: bf16 matmul {peaks['matmul_bf16_tflops']:.0f} TFLOP/s, "
              f"device-to-device copy {peaks['copy_gbps']:.0f} GB/s.", "",
-             "| kernel | shape | impl | pass | ms | rate | of peak |", "|---|---|---|---|---|---|---|",
+             "ms: CUDA events around each call; GPU ms: the same with the host's enqueue hidden "
+             "(kernels/gpu_timer.py), and its fraction of the peak; launches: GPU operations per call.", "",
+             "| kernel | shape | impl | pass | ms | rate | of peak | GPU ms | launches |",
+             "|---|---|---|---|---|---|---|---|---|",
              *map(format_row, rows), "",
              "## Linear + cross-entropy: peak extra memory of forward + backward", "",
              "| shape | impl | peak extra GiB | bf16 logits alone GiB |", "|---|---|---|---|",
@@ -277,6 +298,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--plot", action="store_true", help="also draw the tables: kernels/results/<device>.png")
     p.add_argument("--plot-from", metavar="JSON", help="only draw a saved result (no GPU needed) beside it")
+    p.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
+                   help="skip the GPU time and launch count (kernels/gpu_timer.py)")
     args = p.parse_args(argv)
     if args.plot_from:
         try:
@@ -296,7 +319,8 @@ def main(argv=None):
     timer = Timer(args.warmup, args.iters)
     peaks = measure_peaks(timer)
     print(f"peaks: {peaks['matmul_bf16_tflops']:.0f} TFLOP/s bf16 matmul, {peaks['copy_gbps']:.0f} GB/s copy")
-    rows, memory = run_all(args, timer, peaks)
+    gpu = import_module("kernels.gpu_timer").GpuTime(timer) if args.gpu_time else None
+    rows, memory = run_all(args, timer, peaks, gpu)
     stem = write_results(meta, peaks, rows, memory)
     if args.plot:
         result = dict(meta, peaks=peaks, rows=rows, memory=memory)

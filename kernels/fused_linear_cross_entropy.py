@@ -3,13 +3,14 @@
 What: loss = mean over the non-ignored tokens of −log softmax(h Wᵀ)[target], for hidden states h (N, C),
 the LM-head weight W (V, C) and targets (N,), ignore_index = −100, processed in chunks of `chunk` rows:
 
-    logits_c = h_c Wᵀ                       (chunk, V)   torch GEMM, upcast to float32
-    lse, loss, dlogits = softmax-CE(logits_c)            Triton, one program per row, in place
-    dh_c = dlogits_c W,   dW += dlogits_cᵀ h_c           torch GEMMs
+    logits_c = h_c Wᵀ                       (chunk, V)   torch GEMM, in h's dtype (bf16: no fp32 copy)
+    lse, loss, dlogits/n = softmax-CE(logits_c)          Triton, one program per row, fp32 inside, in place
+    dh_c = dlogits_c W,   dW += dlogits_cᵀ h_c           torch GEMMs; dW accumulates in fp32 (addmm)
 
 Playbook chapter 4, "fused kernels" + online softmax (§4.0.7-4.0.8); Liger-Kernel (Hsu et al. 2024).
-Eager holds ≈ N·V·(b + 4 + 4) bytes of logits at its peak; fused, one float32 chunk (chunk·V·4, with
-chunk·V ≈ N·C by default, at least 1024 rows) plus dh (N·C·b) and a float32 dW (V·C·4). FLOPs 6·N·V·C, as eager. The
+Eager holds ≈ N·V·(b + 4 + 4) bytes of logits at its peak; fused, one chunk (chunk·V·b, with
+chunk·V ≈ N·C by default, at least 1024 rows) plus dh (N·C·b) and a float32 dW (V·C·4), into which
+each chunk's dlogitsᵀ h is added by one GEMM with fp32 output (Liger). FLOPs 6·N·V·C, as eager. The
 gradients are computed inside the forward (the softmax that gives the loss gives dlogits), so backward
 only scales the stored dh, dW; under torch.no_grad the gradient GEMMs are skipped. The trade-offs and
 a worked Llama-3-8B example: kernels/README.md.
@@ -37,13 +38,15 @@ def linear_cross_entropy_reference(hidden, weight, targets, ignore_index: int = 
 
 
 @triton.jit
-def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.constexpr):
-    # One program per row of the chunk. LOGITS (chunk, V) float32 is overwritten by
-    # softmax(logits) - onehot(target): dloss_row/dlogits. The 1/n_valid of the mean is applied later.
+def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK_V: tl.constexpr,
+                          WRITE_GRAD: tl.constexpr):
+    # One program per row of the chunk. LOGITS (chunk, V), in the GEMM's dtype, is overwritten in place
+    # by (softmax(logits) - onehot(target)) / n_valid, the gradient of the mean loss; sums are fp32.
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * V
     target = tl.load(TARGETS + row)
     valid = target != ignore_index
+    inv_n = 1.0 / tl.load(N_VALID).to(tl.float32)     # read on the device: no host sync for n_valid
 
     # exercise K.4: cross-entropy's online log-sum-exp
     # hint: one pass over the row in blocks of BLOCK_V with a running max m and s = Σ exp(x − m): a block that
@@ -56,7 +59,7 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
     s = 0.0
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(logits_row + cols, mask=cols < V, other=-float("inf"))
+        x = tl.load(logits_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
@@ -65,15 +68,16 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, V, ignore_index, BLOCK_V: tl.co
 
     # loss_row = lse - logit[target]. An ignored row reads column 0 (in bounds) and is zeroed below.
     safe_target = tl.where(valid, target, 0)
-    target_logit = tl.load(logits_row + safe_target)
+    target_logit = tl.load(logits_row + safe_target).to(tl.float32)
     tl.store(LOSS + row, tl.where(valid, lse - target_logit, 0.0))
 
-    # Pass 2: dlogits = exp(x - lse) - [col == target], or 0 for an ignored row.
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(logits_row + cols, mask=cols < V, other=0.0)
-        grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-        tl.store(logits_row + cols, tl.where(valid, grad, 0.0), mask=cols < V)
+    # Pass 2 (skipped under no_grad): dlogits = (exp(x - lse) - [col == target]) / n_valid, 0 if ignored.
+    if WRITE_GRAD:
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(logits_row + cols, mask=cols < V, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_n
+            tl.store(logits_row + cols, tl.where(valid, grad, 0.0).to(LOGITS.dtype.element_ty), mask=cols < V)
 
 
 MIN_CHUNK_ROWS = 1024   # thinner chunks re-read W (V, C) three times each, and their GEMMs starve the tensor cores
@@ -86,6 +90,20 @@ def default_chunk(n_tokens: int, hidden_size: int, vocab: int) -> int:
     return min(max(rows, MIN_CHUNK_ROWS), n_tokens)
 
 
+def add_grad_weight(grad_weight, dlogits, h_c):
+    """grad_weight (V, C) fp32 += dlogitsᵀ (V, chunk) @ h_c (chunk, C), in one GEMM where torch has one.
+
+    On CUDA, addmm's out_dtype overload (torch ≥ 2.8) multiplies bf16/fp16 operands and accumulates
+    into the fp32 output, so no (V, C) product in low precision is made. It has no CPU kernel: on the
+    CPU, low-precision operands give a (V, C) product in their dtype, which is then added."""
+    if dlogits.dtype == grad_weight.dtype:
+        grad_weight.addmm_(dlogits.t(), h_c)
+    elif dlogits.is_cuda:
+        torch.addmm(grad_weight, dlogits.t(), h_c, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        grad_weight += dlogits.t() @ h_c
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index: int, chunk: int, need_grad: bool):
@@ -94,22 +112,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         loss_rows = torch.empty(N, dtype=torch.float32, device=hidden.device)            # (N,)
         grad_hidden = torch.empty_like(hidden) if need_grad else None                    # (N, C)
         grad_weight = torch.zeros(V, C, dtype=torch.float32, device=hidden.device) if need_grad else None
+        # Mean over the tokens that count. n_valid stays a tensor: no host sync. If every token is
+        # ignored this is 0/0 = nan, as with F.cross_entropy.
+        n_valid = (targets != ignore_index).sum()
         block_v = min(triton.next_power_of_2(V), 4096)
         for start in range(0, N, chunk):
             h_c = hidden[start:start + chunk]                                            # (chunk, C)
-            logits = (h_c @ weight.t()).float()                                          # (chunk, V)
+            logits = h_c @ weight.t()                                                    # (chunk, V)
             _cross_entropy_kernel[(h_c.shape[0],)](logits, targets[start:start + chunk],
-                                                   loss_rows[start:start + chunk], V, ignore_index,
-                                                   BLOCK_V=block_v, num_warps=8)
-            if need_grad:                                         # logits now holds dloss_rows/dlogits
-                dlogits = logits.to(hidden.dtype)                                        # (chunk, V)
-                grad_hidden[start:start + chunk] = dlogits @ weight                      # (chunk, C)
-                grad_weight += dlogits.t() @ h_c           # (V, C), added in fp32 without an fp32 copy
-        # Mean over the tokens that count. n_valid stays a tensor: no host sync. If every token is
-        # ignored this is 0/0 = nan, as with F.cross_entropy.
-        n_valid = (targets != ignore_index).sum().float()
+                                                   loss_rows[start:start + chunk], n_valid, V, ignore_index,
+                                                   BLOCK_V=block_v, WRITE_GRAD=need_grad, num_warps=8)
+            if need_grad:                                         # logits now holds dloss/dlogits
+                torch.mm(logits, weight, out=grad_hidden[start:start + chunk])           # (chunk, C)
+                add_grad_weight(grad_weight, logits, h_c)                                # (V, C)
         if need_grad:
-            ctx.save_for_backward(grad_hidden.div_(n_valid), grad_weight.div_(n_valid).to(weight.dtype))
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss_rows.sum() / n_valid
 
     @staticmethod

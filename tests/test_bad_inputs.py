@@ -2,13 +2,14 @@
 
 Each case below is a real command line of `NN_*/train.py` with one mistake: a flag value, a path the run
 would write, a data source, a tokenizer, an `--init-from` directory, a checkpoint to resume, a parallel
-layout. Asserted per case: exit status 2 (argparse's status for a usage error, used for all of them),
-exactly one line on stderr holding the case's fix, no Python traceback anywhere in the output, and the
-seconds until the process exited. The cases run in processes forked from one that imported the trainer
-once (tests/forkrun.py: a case costs milliseconds, not an interpreter start); one case per folder also
-runs as a fresh `python NN/train.py`, imports included, and two run under torchrun with two ranks, where
-the line must appear once. Nothing here reaches the network (the hub endpoint is a closed local port): a
-hub name must fail fast, with HF_HUB_OFFLINE set or not.
+layout; then the tools (generate.py, export_hf.py, the planner) in their own flags' words, and a disk that
+fills mid-run (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status
+for a usage error, used for all of them), exactly one line on stderr holding the case's fix, no Python
+traceback anywhere in the output, and the seconds until the process exited. The cases run in processes
+forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
+interpreter start); one case per folder also runs as a fresh `python NN/train.py`, imports included, and two
+run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
+hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE set or not.
 """
 import json
 import os
@@ -171,7 +172,66 @@ CASES = [
     ("07-log-every-0", "07", ["--log-every", "0"], "--log-every must be at least 1", {}),
     ("dp-mode-with-zero-in-08", "08", ["--zero-stage", "2", "--dp-mode", "bucket"], "drop --dp-mode", {}),
     ("08-grad-clip-negative", "08", ["--grad-clip", "-1"], "--grad-clip must be 0 (off) or positive", {}),
+    # --- issue 23: more key/value heads than query heads, every float flag finite, outputs that cannot be made
+    ("kv-heads-above-heads", "01", ["--num-heads", "2", "--num-kv-heads", "4"],
+     "--num-kv-heads 4 is more than --num-heads 2", {}),
+    ("min-lr-ratio-nan", "01", ["--min-lr-ratio", "nan"], "--min-lr-ratio must be between 0 and 1", {}),
+    ("peak-tflops-nan", "01", ["--peak-tflops", "nan"], "--peak-tflops must be a positive finite number", {}),
+    ("timeout-inf", "01", ["--timeout-s", "inf"], "--timeout-s must be a positive finite number", {}),
+    ("loss-scale-nan", "01", ["--dtype", "float16", "--loss-scale-init", "nan"],
+     "--loss-scale-init must be a positive finite number", {}),
+    ("bucket-mb-nan", "02", ["--bucket-mb", "nan"], "--bucket-mb must be positive (a finite number)", {}),
+    ("capacity-factor-nan", "07", ["--capacity-factor", "nan"],
+     "--capacity-factor must be non-negative (a finite number)", {}),
+    ("router-z-loss-nan", "07", ["--router-z-loss", "nan"], "--router-z-loss must be non-negative (a finite", {}),
+    ("router-z-loss-inf", "07", ["--router-z-loss", "inf"], "--router-z-loss must be non-negative (a finite", {}),
+    ("aux-loss-coef-nan", "07", ["--aux-loss-coef", "nan"], "--aux-loss-coef must be non-negative (a finite", {}),
+    ("08-capacity-factor-inf", "08", ["--num-experts", "4", "--capacity-factor", "inf"],
+     "--capacity-factor must be non-negative (a finite number)", {}),
+    ("tensorboard-uncreatable", "01", ["--tensorboard", "/proc/no-such-folder/tb"], "pass another path", {}),
+    ("kernels-triton-on-cpu", "01", ["--kernels", "triton"], "start with TRITON_INTERPRET=1",
+     {"TRITON_INTERPRET": None}),
+    ("attn-triton-on-cpu", "04", ["--attn", "triton"], "start with TRITON_INTERPRET=1",
+     {"TRITON_INTERPRET": None}),
+    ("resume-manifest-digit", "01", ["--resume", "--checkpoint-dir", "{ckpt_manifest_digit}"],
+     "manifest.json fails its own sha256 check", {}),
 ]
+NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu"}     # on a GPU machine Triton runs
+
+# The tools that read checkpoints and the planner: (id, script, whole argv, the fix, env). A tool's line names
+# its own flags: none of them has --resume.
+GENERATE, EXPORT, PLANNER = "01_single_gpu/generate.py", "01_single_gpu/export_hf.py", "08_5d_combined/planner.py"
+TOOL_CASES = [
+    ("generate-temperature-nan", GENERATE, ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
+     "--temperature (a finite number)", {}),
+    ("generate-no-such-step", GENERATE, ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--step", "99"],
+     "holds no checkpoint of step 99 (it holds 2, 1)", {}),
+    ("generate-missing", GENERATE, ["--checkpoint-dir", "{missing}", "--prompt", "x"],
+     "does not exist: pass a trainer's --checkpoint-dir", {}),
+    ("generate-corrupt", GENERATE, ["--checkpoint-dir", "{ckpt_corrupt}", "--prompt", "x"],
+     "pass the --checkpoint-dir of a run whose save finished", {}),
+    ("generate-torn-step", GENERATE, ["--checkpoint-dir", "{ckpt_truncated}", "--prompt", "x", "--step", "1"],
+     "a torn copy: pass another --step", {}),
+    ("export-out-is-a-file", EXPORT, ["--checkpoint-dir", "{ckpt}", "--out", "{file}"], "is a file: pass a folder",
+     {}),
+    ("export-out-holds-a-model", EXPORT, ["--checkpoint-dir", "{ckpt}", "--out", "{hf_good}"],
+     "already holds a model (config.json, model.safetensors): pass --overwrite", {}),
+    ("export-corrupt", EXPORT, ["--checkpoint-dir", "{ckpt_corrupt}", "--out", "{fresh}"],
+     "holds no usable checkpoint", {}),
+    ("export-missing", EXPORT, ["--checkpoint-dir", "{missing}", "--out", "{fresh}"], "does not exist", {}),
+    ("export-manifest-digit", EXPORT, ["--checkpoint-dir", "{ckpt_manifest_digit}", "--out", "{fresh}"],
+     "manifest.json fails its own sha256 check", {}),
+    ("planner-gpu-mem-nan", PLANNER, ["--gpu-mem", "nan"], "--gpu-mem must be a positive finite number", {}),
+    ("planner-bw-inter-inf", PLANNER, ["--bw-inter", "inf"], "--bw-inter must be a positive finite number", {}),
+    ("search-mem-reserve-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096",
+                                        "--mem-reserve", "nan"], "--mem-reserve must be 0 or more GB", {}),
+    ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
+     "--mfu must be in (0, 1]", {}),
+]
+# A full disk mid-run (/dev/full takes no byte): one line naming the path, exit status 1, checkpoints intact.
+FULL_DISK = ("json-log-full-disk", "01", ["--json-log", "/dev/full", "--resume", "--checkpoint-dir",
+                                          "{ckpt_full_disk}", "--steps", "3"],
+             "--json-log /dev/full: writing step 3's record failed (No space left on device)", {})
 
 
 def user_env():
@@ -221,6 +281,14 @@ def materials(tmp_path_factory):
     variant("ckpt_truncated", lambda step: (step / "rank_00000.safetensors").write_bytes(
         (step / "rank_00000.safetensors").read_bytes()[:-4096]))
     variant("ckpt_bad_manifest", lambda step: (step / "manifest.json").write_text("{not json"))
+
+    def wrong_digit(step):   # one hex digit of the data file's recorded sha256: the file itself is intact
+        manifest = json.loads((step / "manifest.json").read_text())
+        entry = manifest["files"]["rank_00000.safetensors"]
+        entry["sha256"] = ("1" if entry["sha256"][0] != "1" else "2") + entry["sha256"][1:]
+        (step / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    variant("ckpt_manifest_digit", wrong_digit)
+    variant("ckpt_full_disk", lambda step: None)
     m["ckpt_experts"] = root / "ckpt_experts"                    # a real 07 checkpoint: 4 experts per layer
     __import__("importlib").import_module("07_expert_parallel.train").main(common.argv(
         "--checkpoint-dir", m["ckpt_experts"], "--hidden-size", 32, "--num-layers", 2, steps=2, mbs=2))
@@ -290,13 +358,16 @@ def _argv(case, materials):
 
 @pytest.fixture(scope="module")
 def results(materials):
-    """Every case's {code, stdout, stderr, seconds}, by id: one forkrun process for them all."""
-    payload = json.dumps([{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": _argv(c, materials),
-                           "env": c[4]} for c in CASES])
+    """Every case's {code, stdout, stderr, seconds}, by id: one forkrun process for them all (tools too)."""
+    runs = [{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": _argv(c, materials), "env": c[4]}
+            for c in CASES + [FULL_DISK]]
+    runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
+             for c in TOOL_CASES]
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "forkrun.py"), "--limit", str(3 * SECONDS)],
-                          input=payload, capture_output=True, text=True, cwd=ROOT, env=user_env(), timeout=900)
+                          input=json.dumps(runs), capture_output=True, text=True, cwd=ROOT, env=user_env(),
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {case[0]: result for case, result in zip(CASES, json.loads(done.stdout))}
+    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, json.loads(done.stdout))}
 
 
 def check_one_line(result, fix, seconds, status=2):
@@ -311,7 +382,27 @@ def check_one_line(result, fix, seconds, status=2):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_mistake_ends_in_one_line(case, results):
+    if case[0] in NEEDS_CPU and __import__("torch").cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: Triton runs")
     check_one_line(results[case[0]], case[3], SECONDS)
+
+
+@pytest.mark.parametrize("case", TOOL_CASES, ids=_ids)
+def test_tool_mistake_ends_in_one_line(case, results):
+    """generate.py, export_hf.py and the planner: the same contract, in their own flags' words."""
+    check_one_line(results[case[0]], case[3], SECONDS)
+    assert "--resume" not in results[case[0]]["stderr"], results[case[0]]["stderr"]
+
+
+def test_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoint(results, materials):
+    """--json-log /dev/full, resumed from step 2: step 3's record cannot be written. One line naming the path
+    (exit status 1: not a usage error), and step 2's checkpoint still passes its checks."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    check_one_line(results[FULL_DISK[0]], FULL_DISK[3], SECONDS, status=1)
+    checkpoint = __import__("importlib").import_module("01_single_gpu.checkpoint")
+    folder = Path(materials["ckpt_full_disk"])
+    assert checkpoint.checkpoint_steps(folder) == [2, 1] and checkpoint.verify(folder / "step_000002")[0] is None
 
 
 def test_the_table_is_large_enough():

@@ -137,6 +137,27 @@ def test_rope_backward_is_rotation_by_minus_sin():
     torch.testing.assert_close(x.grad, rot.rope_reference(dy, cos.to(DEVICE), -sin.to(DEVICE)), atol=1e-6, rtol=1e-6)
 
 
+def test_rope_of_q_and_k_in_one_launch(monkeypatch):
+    """apply_rotary (the model's rope_fn) rotates q (4 heads) and k (2 heads, GQA) in one kernel launch
+    forward and one backward, reading the model's strided (B, T, nh, hd) -> (B, nh, T, hd) views in
+    place; outputs and both gradients equal the reference's (float32: 1e-5, reduction-free)."""
+    grids, kernel = [], rot._rope_kernel
+
+    class CountingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rot, "_rope_kernel", CountingKernel())
+    cos, sin = rope_tables(24)                                          # (T, hd), hd 24: a masked half
+    q, k = randn(2, 37, 4, 24).transpose(1, 2), randn(2, 37, 2, 24, seed=1).transpose(1, 2)
+    both = lambda rotate: lambda q, k: torch.cat(rotate(q, k), dim=1)  # noqa: E731   (B, nh + nkv, T, hd)
+    check(both(lambda q, k: rot.apply_rotary(q, k, cos.to(q), sin.to(q))),
+          both(lambda q, k: (rot.rope_reference(q, cos.to(q), sin.to(q)), rot.rope_reference(k, cos.to(k), sin.to(k)))),
+          [q, k], torch.float32, ["out", "dq", "dk"])
+    assert len(grids) == 2 and all(grid[0] == 2 * (4 + 2) for grid in grids)   # forward, backward
+
+
 # === fused linear + cross-entropy ===
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -163,17 +184,19 @@ def test_fused_cross_entropy_without_grad_and_chunk_rule():
 
 
 class LargestTensor(TorchFunctionMode):
-    """Records the largest tensor (in elements) returned by any torch call made from Python."""
+    """Records the largest tensor (in elements) returned by any torch call made from Python, and the
+    (shape, dtype) of every one."""
 
     def __init__(self):
         super().__init__()
-        self.numel, self.shape, self.shapes = 0, None, set()
+        self.numel, self.shape, self.shapes, self.typed = 0, None, set(), set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.shapes.add(tuple(t.shape))
+                self.typed.add((tuple(t.shape), t.dtype))
                 if t.numel() > self.numel:
                     self.numel, self.shape = t.numel(), tuple(t.shape)
         return out
@@ -195,6 +218,37 @@ def test_fused_cross_entropy_never_materialises_logits():
     assert (chunk, V) in fused.shapes and (N, V) not in fused.shapes      # slabs of logits, never all of them
 
 
+def test_fused_cross_entropy_keeps_bf16_logits_in_place():
+    """bf16 inputs: each (chunk, V) logits slab stays bf16 and the CE kernel turns it into dlogits in place,
+    so no float32 (chunk, V) copy is ever made (the old version upcast every chunk: 2x its bytes), and no
+    (V, C) tensor but dW's fp32 accumulator and the bf16 gradient returned."""
+    N, C, V, chunk = 74, 48, 100, 16
+    h = randn(N, C).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = randn(V, C, seed=1).to(DEVICE, torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,)).to(DEVICE)
+    with LargestTensor() as fused:
+        flce.fused_linear_cross_entropy(h, w, t, chunk=chunk).backward()
+    assert ((chunk, V), torch.bfloat16) in fused.typed
+    assert ((chunk, V), torch.float32) not in fused.typed
+    assert {dtype for shape, dtype in fused.typed if shape == (V, C)} <= {torch.float32, torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_grad_weight_accumulates_in_float32(dtype):
+    """dW += dlogitsᵀ h into an fp32 accumulator: fp32 operands by addmm_ (reordered fp32 sums only); bf16
+    operands on CUDA by addmm's out_dtype overload (fp32 accumulation, no bf16 product: within fp32's
+    reordering), on the CPU (no kernel for that overload) by a bf16 product then added (one bf16
+    rounding, 2⁻⁸ relative, of each product entry). Bounds relative to |dlogits|ᵀ|h| + |dW|."""
+    grad = randn(100, 48).to(DEVICE)
+    d, h = randn(16, 100, seed=1).to(DEVICE, dtype), randn(16, 48, seed=2).to(DEVICE, dtype)
+    truth = grad.double() + d.double().t() @ h.double()
+    scale = grad.double().abs() + d.double().abs().t() @ h.double().abs()
+    flce.add_grad_weight(grad, d, h)
+    assert grad.dtype == torch.float32
+    bound = 2 ** -8 if dtype == torch.bfloat16 and DEVICE == "cpu" else 1e-5
+    assert ((grad.double() - truth).abs() <= bound * scale).all()
+
+
 # === flash attention ===
 
 @pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.float32, False),
@@ -212,6 +266,63 @@ def test_flash_attention_padded_head_dim_unequal_blocks():
     q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24, seed=1), randn(1, 2, 40, 24, seed=2)
     check(lambda q, k, v: fa.flash_attention(q, k, v, True, block_m=16, block_n=32),
           lambda q, k, v: fa.attention_reference(q, k, v, True), [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
+
+
+@pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+                         ids=["float32-causal", "bfloat16-causal", "float32-full"])
+def test_flash_attention_tutorial_tiling(dtype, causal):
+    """The tutorial's tiling at a scale the interpreter affords: T = 100, hd 80 (padded to 128), GQA 4:2.
+    Forward tiles 64 × 32 (the causal diagonal spans two key blocks); backward programs own 64 rows and
+    stream 32, the diagonal in 16-row sub-tiles. So every stage runs: unmasked blocks below the diagonal,
+    masked diagonal sub-tiles, whole blocks after it and a ragged last block (100 = 3·32 + 4)."""
+    q, k, v = randn(1, 4, 100, 80), randn(1, 2, 100, 80, seed=1), randn(1, 2, 100, 80, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, causal, block_m=64, block_n=32),
+          lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
+
+
+def test_flash_attention_default_tiles():
+    """No tiles given: the autotuned forward and the default backward tiles, at hd 80 (padded to 128),
+    T = 70 (ragged), GQA 4:2. Under the interpreter autotune holds one config, so it never benchmarks
+    (Autotuner.run times configs only when it has several, with CUDA events); on a GPU it holds several."""
+    if DEVICE == "cpu":
+        assert len(fa._attn_fwd_tuned.configs) == 1
+    q, k, v = randn(1, 4, 70, 80), randn(1, 2, 70, 80, seed=1), randn(1, 2, 70, 80, seed=2)
+    check(lambda q, k, v: fa.flash_attention(q, k, v, True), lambda q, k, v: fa.attention_reference(q, k, v, True),
+          [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
+
+
+class CallNames(TorchFunctionMode):
+    """Records the name of every torch function called from Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_flash_attention_reads_strided_inputs_without_copies():
+    """q, k, v as the model makes them, (B, T, nh, hd) transposed to (B, nh, T, hd), and a strided dO: the
+    kernels read them through their strides. Nothing is copied (no contiguous/clone/copy_ call), autograd
+    saves the inputs themselves, and the results equal those of contiguous inputs."""
+    q, k, v = (randn(2, 37, h, 16, seed=s).to(DEVICE).transpose(1, 2).requires_grad_() for s, h in
+               enumerate((4, 2, 2)))                                          # (B, nh|nkv, T, hd), strided
+    dy = randn(2, 37, 4, 16, seed=3).to(DEVICE).transpose(1, 2)               # (B, nh, T, hd), strided
+    assert not (q.is_contiguous() or dy.is_contiguous())
+    with CallNames() as calls:
+        o = fa.flash_attention(q, k, v, True, block_m=16, block_n=16)
+        saved_q = o.grad_fn.saved_tensors[0]
+        o.backward(dy)
+    assert not {"contiguous", "clone", "copy_"} & set(calls.names), calls.names
+    assert saved_q.data_ptr() == q.data_ptr() and saved_q.stride() == q.stride()
+    dense = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    o_dense = fa.flash_attention(*dense, True, block_m=16, block_n=16)
+    o_dense.backward(dy.contiguous())
+    torch.testing.assert_close(o, o_dense, atol=0, rtol=0)
+    for x, x_dense in zip((q, k, v), dense):
+        torch.testing.assert_close(x.grad, x_dense.grad, atol=0, rtol=0)
 
 
 # === on a GPU: the models' own sizes, with the default tiles ===
@@ -380,7 +491,10 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
         return (time.perf_counter() - start) * 1e3
 
     peaks = {"matmul_bf16_tflops": 1.0, "copy_gbps": 1.0}
-    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks)
+    # The GPU time's plumbing, with the wall clock again standing in (gpu_timer.GpuTime is GPU-only: its
+    # own test is test_gpu_time_hides_the_host below).
+    gpu = lambda run: {"gpu_ms": wall_clock_ms(run), "launches": 1}   # noqa: E731
+    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks, gpu)
     expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
         | {("rope", i) for i in ("eager", "triton")} | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
         | {("linear+cross-entropy", i) for i in ("eager", "triton")}
@@ -390,11 +504,34 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert not failed, failed
     for r in (r for r in rows if r["ms"] is not None):
         assert r["rate"] > 0 and r["of_peak"] == pytest.approx(r["rate"] / 1.0)
+        assert r["gpu_ms"] > 0 and r["gpu_of_peak"] == pytest.approx(r["of_peak"] * r["ms"] / r["gpu_ms"])
+        assert r["launches"] == 1
     assert [m["impl"] for m in memory] == ["eager", "triton"]             # CUDA memory stats: n/a on CPU
     bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__, triton=triton.__version__,
                              cuda=None, date="-"), peaks, rows, memory)
     text = (tmp_path / "cpu-interpreter-check.md").read_text()
     assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
+    assert "| GPU ms | launches |" in text and all(line.count("|") == 10 for line in text.splitlines()
+                                                   if line.startswith("| rmsnorm |"))
     assert len(json.loads((tmp_path / "cpu-interpreter-check.json").read_text())["rows"]) == len(rows)
     bench.main(["--plot-from", str(tmp_path / "cpu-interpreter-check.json")])   # --plot's picture, no GPU
     assert (tmp_path / "cpu-interpreter-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@on_gpu
+def test_gpu_time_hides_the_host():
+    """gpu_timer.GpuTime on a call whose host side is slow (5 ms of Python before one tiny kernel): the
+    event time includes those 5 ms, the GPU time only the kernel's microseconds, and the profiler counts
+    one launch. A Triton RMSNorm forward is one launch too."""
+    gpu_timer, bench = import_module("kernels.gpu_timer"), import_module("kernels.bench")
+    timer = bench.Timer(warmup=2, iters=5)
+    gpu = gpu_timer.GpuTime(timer)
+    x = torch.zeros(1024, device=DEVICE)
+
+    def slow_host():
+        time.sleep(0.005)
+        x.add_(1)
+    result = gpu(slow_host)
+    assert timer(slow_host) > 5 and result["gpu_ms"] < 1 and result["launches"] == 1
+    rows, w = torch.randn(4096, 2048, device=DEVICE, dtype=torch.bfloat16), torch.ones(2048, device=DEVICE)
+    assert gpu_timer.count_launches(lambda: rms.rmsnorm(rows, w, 1e-5)) == 1

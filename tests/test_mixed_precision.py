@@ -79,6 +79,42 @@ def test_fp16_training_logs_its_loss_scale_and_skipped_steps(tmp_path):
     assert [r["grad_norm"] is None for r in logged] == [False, True, False]
 
 
+def test_bf16_16_gradient_norm_is_taken_in_fp32():
+    """bf16-16's gradients are bf16; the norm that is logged and clips them is summed in fp32, as 04's and
+    06's norms of the same gradients (torch's clip_grad_norm_ would return bf16: 3 significant digits). 01's
+    step with --grad-clip 0 leaves the gradients as they were: the norm must match their float64 norm to fp32
+    rounding (the bf16 norm is off by up to 2^-9)."""
+    argv = common.argv("--precision-layout", "bf16-16", "--grad-clip", 0, steps=1, dtype="bfloat16")
+    args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
+    model = build.materialize(build.build_model(args, config), args)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
+    sampler = import_module("01_single_gpu.data").GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
+    _, norm = train.train_step(model, optimizer, [sampler.micro_batch(0, 0)], args)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g.dtype == torch.bfloat16 for g in grads) and norm.dtype == torch.float32
+    exact = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+    assert abs(float(norm) - exact) <= 1e-6 * exact, (float(norm), exact)
+
+
+@pytest.mark.parametrize("init, saved_at", [(2.0 ** 17, 1), (1e30, 1)], ids=["scale-grown", "no-real-step"])
+def test_fp16_resume_is_bitwise(tmp_path, init, saved_at):
+    """--dtype float16, --loss-scale-window 1: k steps, save, --resume to 4 equals 4 steps, bit for bit, in
+    losses, parameters and the loss scale each step used. From 2^17 step 1 runs and S doubles: a resume at
+    --loss-scale-init would not overflow in step 2, as the uninterrupted run does. From 1e30 step 1
+    overflows: the checkpoint holds no AdamW moments (there was no real step), and the resume must not
+    expect them."""
+    flags = ("--loss-scale-init", init, "--loss-scale-window", 1, "--lr-decay-steps", 4)   # one schedule
+    whole, model = train.main(common.argv(*flags, steps=4, dtype="float16"))
+    ckpt = ("--checkpoint-dir", tmp_path / "ckpt")
+    train.main(common.argv(*flags, *ckpt, steps=saved_at, dtype="float16"))
+    resumed, resumed_model = train.main(common.argv(*flags, *ckpt, "--resume", steps=4, dtype="float16"))
+    assert any(r.get("skipped") for r in whole)                     # overflowed steps are involved
+    for key in ("loss", "loss_scale", "skipped"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in whole[saved_at:]], key
+    for name, p in resumed_model.state_dict().items():
+        assert torch.equal(p, model.state_dict()[name]), name
+
+
 def _layout_states(layout):
     """The memory table's numbers before training, what the rank holds after one step of two micro-batches,
     the trained and the initial parameters (fp32 copies)."""

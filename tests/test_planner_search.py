@@ -7,6 +7,7 @@ Compared: the step-time terms against the formulas written out here from the pla
 and bubble (float arithmetic: 1e-12 relative); the search's best against the best of narrower searches
 (exact: the same plans are evaluated). Small models and 8-64 GPUs: a search takes about a second.
 """
+import re
 import subprocess
 import sys
 from dataclasses import astuple
@@ -62,6 +63,16 @@ def test_every_plan_fits_passes_the_rules_and_splits_the_batch():
         assert lay.dp * plan.mbs * plan.m == 64
         search.check_rules(args, config, dp=lay.dp, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, ep=lay.ep,
                            pp_schedule=lay.schedule, pp_chunks=lay.chunks, grad_acc=plan.m)
+
+
+def test_pruned_rules_are_counted_with_their_numbers():
+    """The summary of what was pruned names the real degrees (pp·pp-chunks = 16·1 = 16 does not divide
+    num_layers=8), one line per distinct case: not a template with every number replaced by N."""
+    *_, pruned = run_search(["--preset", "tiny", "--num-layers", "6", *SMALL[3:]])
+    divides = [rule for rule in pruned if rule.startswith("pp·pp-chunks")]
+    assert divides and all(re.fullmatch(r"pp·pp-chunks = (\d+)·(\d+) = \d+ does not divide num_layers=6", rule)
+                           for rule in divides), divides
+    assert not any(re.search(r"\bN\b", rule) for rule in pruned), list(pruned)
 
 
 def test_step_time_is_the_sum_of_its_terms():

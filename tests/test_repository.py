@@ -4,9 +4,12 @@ The project was written beside a folder of source documents, house rules and a d
 (`../shared/`) that is not part of it. Every tracked file is read: a path into that folder, a reference
 to the digest's item numbers or to line numbers of its copies of the papers fails the test, with the
 place. Errata are cited by number (E6, ...) and every number cited must be explained in the README.
+Also the comment rule a reader relies on: no trailing comment continues onto the next code line.
 """
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +52,41 @@ def test_readme_gpu_figures_are_generated_from_the_committed_results():
     results files (rerun `python kernels/report.py --write` after committing new ones)."""
     from importlib import import_module
     assert import_module("kernels.report").section() in (ROOT / "README.md").read_text()
+
+
+CONTINUES = re.compile(r"[,;:(]$|\b(?:the|a|an|of|and|or|to|on|in|by|for|with|its|their)$")
+
+
+def continued_comments(source: str) -> list:
+    """Trailing comments that go on in the next line's comment: an open parenthesis, a last character or word
+    that cannot end a thought (',', ';', ':', 'the', 'and', ...), or a next comment indented as a
+    continuation ('#   the rest'). Returns the (line, comment) pairs of the first lines."""
+    comments, code = {}, set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string[1:].rstrip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    found = []
+    for line, text in sorted(comments.items()):
+        following = comments.get(line + 1)
+        opened = text.count("(") > text.count(")")
+        if line in code and following is not None and (
+                opened or CONTINUES.search(text) or re.match(r"\s{2,}\S", following)):
+            found.append((line, text.strip()))
+    return found
+
+
+def test_one_thought_a_line():
+    """One thought a line: no trailing comment in the folders' Python files continues onto the next line
+    (a note of several clauses is a block comment above its statement). The detector on lines it must
+    flag and lines it must pass, then every NN_*/*.py file."""
+    assert continued_comments("x = 1  # Σ over tp:\ny = 2  #   every rank skips\n") == [(1, "Σ over tp:")]
+    assert continued_comments("x = 1  # the same on\ny = 2  # rank\n") == [(1, "the same on")]
+    assert continued_comments("x = 1  # (bf16-20: a\ny = 2  # b)\n") == [(1, "(bf16-20: a")]
+    assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the holders\n") == []
+    files = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
+    assert len(files) > 40
+    found = [f"{path.relative_to(ROOT)}:{line}: #{text}" for path in files
+             for line, text in continued_comments(path.read_text())]
+    assert not found, "\n".join(found)

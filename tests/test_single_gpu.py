@@ -354,6 +354,13 @@ def test_cli_help_documents_the_contract():
         assert flag in out, flag
 
 
+def test_every_flag_has_help():
+    """08's parser holds every trainer's flags (01's core, 02-07's degrees and techniques): none without help."""
+    parser = import_module("08_5d_combined.layout").build_parser("08")
+    bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert bare == []
+
+
 def test_init_from_hf_directory(tmp_path):
     """--init-from loads the HF weights: the first logged loss is that model's loss on batch 0."""
     torch.manual_seed(3)

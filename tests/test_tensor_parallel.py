@@ -144,6 +144,12 @@ def check_model_pieces(grid):
                                   num_attention_heads=4, num_key_value_heads=2)
     dense_model = modeling.LlamaForCausalLM(config)
     model = tensor_parallel.apply_tensor_parallel(copy.deepcopy(dense_model), grid)
+    # f is where a reader looks: a named child that print(model) lists, run by a pre-hook; forward is 01's
+    attn = model.model.layers[0].self_attn
+    assert "forward" not in vars(attn) and "forward" not in vars(model.lm_head)
+    f_line = "(enter_tp_region): EnterRegion(copy_to_tp_region (f: identity forward, all-reduce backward))"
+    assert f_line in repr(attn)
+    assert "exit reduce_from_tp_region (f̄: all-reduce forward, identity backward)" in repr(attn.o_proj)
     ids = torch.randint(0, V, (B, T))
     emb, dense_emb = model.model.embed_tokens, dense_model.model.embed_tokens
     _twin_grads(emb(ids), dense_emb(ids), [], [emb.weight], [dense_emb.weight], rank, size)
