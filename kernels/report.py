@@ -145,23 +145,23 @@ def train_lines(rows: list) -> list:
 
 
 def bench_lines(result: dict, record: dict, where) -> list:
-    """Each kernel at its largest shape: ms per implementation, and Triton's GPU time and launches when
-    bench.py measured them."""
-    extra = [k for k in ("gpu_ms", "launches") if k in record["fields"]]
+    """Each kernel at its largest shape: ms per implementation; Triton's GPU time (the host's enqueue
+    hidden) and the launches per call of eager and Triton where bench.py measured them."""
+    gpu = "gpu_ms" in record["fields"]
     impls = ("eager", "torch.compile", "sdpa-flash", "triton")
     lines = ["", f"Kernels, bf16, milliseconds (`python kernels/bench.py {' '.join(record['argv'])}`; "
              f"[{where}/{record['file']}]({where}/{record['file']}) and .md):", "",
              "| kernel | shape | pass | eager | torch.compile | SDPA (flash) | Triton | "
-             + "".join(f"Triton {k} | " for k in extra) + "Triton, of the measured peak |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+             + ("Triton, GPU time | launches, eager / Triton | " if gpu else "") + "Triton, of the measured peak |",
+             "|---|---|---|---|---|---|---|---|" + "---|---|" * gpu]
     for (kernel, shape, pass_), by_impl in kernel_rows(result).items():
         ms = [number(by_impl[i].get("ms"), ".3f") if i in by_impl else "-" for i in impls]
-        triton = by_impl.get("triton", {})
+        eager, triton = by_impl.get("eager", {}), by_impl.get("triton", {})
+        launches = f"{number(eager.get('launches'), 'd')} / {number(triton.get('launches'), 'd')}"
         of_peak = (f"{triton['of_peak']:.0%} ({triton['rate']:.0f} {triton['unit']})"
                    if triton.get("ms") else "failed")
         lines.append(f"| {kernel} | {shape} | {pass_} | {' | '.join(ms)} | "
-                     + "".join(f"{number(triton.get(k), '.3f' if k == 'gpu_ms' else 'd')} | " for k in extra)
-                     + f"{of_peak} |")
+                     + (f"{number(triton.get('gpu_ms'), '.3f')} | {launches} | " if gpu else "") + f"{of_peak} |")
     return lines + ["", memory_sentence(result)] if result["memory"] else lines
 
 

@@ -8,6 +8,7 @@ peak memory are null, as recorded.
 """
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,26 @@ def test_smoke_run_writes_its_readme_section(smoke):
         cells = ("tiny", 320, r["kernels"], r["attn"], r["precision_layout"], "no", r["grad_acc"])
         assert "".join(f"| {c} " for c in cells) + "|" in text
     assert "1 passed, 0 failed" in text and "| rmsnorm |" in text
+    assert_tables_are_rectangular(text)
+
+
+def assert_tables_are_rectangular(text: str):
+    """Every markdown table's header, separator and rows have the same number of cells."""
+    for table in re.findall(r"(?:^\|.*\|\n)+", text + "\n", re.MULTILINE):
+        assert len({line.count("|") for line in table.splitlines()}) == 1, table
+
+
+def test_bench_table_shows_gpu_time_and_launches_where_bench_wrote_them(smoke, tmp_path):
+    """bench.py's "gpu_ms" and "launches" (measured on a GPU only) get their columns. The smoke's rows,
+    given placeholder values here, stand in for a GPU's: this checks the table, not a figure."""
+    out, records = smoke
+    bench = dict(records[4], fields=records[4]["fields"] + ["gpu_ms", "launches"])
+    result = json.loads((out / bench["file"]).read_text())
+    for i, row in enumerate(result["rows"]):
+        row.update(gpu_ms=0.001 * i, launches=i)
+    lines = report.bench_lines(result, bench, tmp_path)
+    assert "| Triton, GPU time | launches, eager / Triton |" in lines[3]
+    assert_tables_are_rectangular("\n".join(lines))
 
 
 def test_report_keeps_imported_runs_and_refuses_smoke_ones(smoke, tmp_path, monkeypatch):
