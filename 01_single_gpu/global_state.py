@@ -134,8 +134,11 @@ def load(assembler, optimizer, model, step: float):
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     stepped_ids = {id(p) for p in stepped}
     others = [p for p in model.parameters() if id(p) not in stepped_ids and p.untyped_storage().nbytes() > 0]
-    for p in stepped:
-        optimizer.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
+    groups = optimizer.param_groups
+    on_device = {id(p) for g in groups if g.get("fused") or g.get("capturable") for p in g["params"]}
+    for p in stepped:   # a fused AdamW reads its step count on the tensors' device, the others on the host
+        where = p.device if id(p) in on_device else None
+        optimizer.state[p] = {"step": torch.tensor(step, dtype=torch.float32, device=where),
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     wanted = {}                                          # name -> [(local flat tensor, segment, quantity)]
     for p in stepped + others:
