@@ -25,8 +25,10 @@ def fused(params) -> bool:
     """AdamW's fused kernel (one kernel per step for all tensors) wherever torch has one for their device:
     CUDA and, since torch 2.4, the CPU. It reads each tensor once per step, where the default `foreach`
     path runs a dozen element-wise passes. Per element it is the same arithmetic whatever the tensor's
-    shape, so ZeRO's flat shards (03) and host masters (offload) step exactly as 01's whole parameters."""
-    return all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    shape, so ZeRO's flat shards (03) and host masters (offload) step exactly as 01's whole parameters.
+    The kernel walks a parameter's memory as if it were contiguous: a strided one keeps the `foreach` path
+    (04's tp 2 from --init-from with tied embeddings diverged from 01 at step 2 without this rule)."""
+    return all(p.device.type in FUSED_DEVICES and p.is_floating_point() and p.is_contiguous() for p in params)
 
 
 def make_optimizer(params, args):
@@ -34,8 +36,21 @@ def make_optimizer(params, args):
     params = list(params)
     groups = [{"params": [p for p in params if decays(p)], "weight_decay": args.weight_decay},
               {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=fused(params))
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=fused(params))
+    if fused(params):
+        optimizer.register_step_pre_hook(match_gradient_layouts)
+    return optimizer
+
+
+def match_gradient_layouts(optimizer, args, kwargs):
+    """Before a fused step: a strided gradient (a transposed view) is made contiguous, as its parameter
+    is. The fused kernel walks both memories in step, element by element: torch's CPU kernel misreads
+    such a gradient without a word."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
 
 
 def lr_at(step: int, args) -> float:

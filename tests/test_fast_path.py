@@ -39,6 +39,23 @@ def test_fused_adamw_steps_flat_shards_exactly_as_whole_parameters():
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params]), flat.detach())
 
 
+def test_fused_adamw_reads_a_gradient_of_another_layout():
+    """A gradient whose memory is laid out unlike its parameter's (a transposed view, as 04's tied
+    vocab-parallel head gets one) steps as its contiguous copy does, bitwise: torch's fused CPU kernel
+    reads both memories in step and misreads it unless make_optimizer's pre-hook copies it first."""
+    args = cli.parse_args(cli.core_parser("t"), common.argv(), files=False)
+    torch.manual_seed(0)
+    start, grad = torch.randn(4, 6), torch.randn(6, 4).t()                     # grad: (4, 6), strides (1, 4)
+    stepped = []
+    for g in (grad, grad.contiguous()):
+        p = start.clone().requires_grad_()
+        optimizer = optim.make_optimizer([p], args)
+        p.grad = g
+        optimizer.step()
+        stepped.append(p.detach())
+    assert torch.equal(*stepped)
+
+
 def test_sdpa_attention_reads_shared_kv_heads_without_copying_them(monkeypatch):
     """sdpa_attention with 8 query heads over 2 key/value heads equals SDPA over K/V repeated per query head
     (query head h reads K/V head h // 4, what it did before) in float64, to float64's rounding, and makes no
