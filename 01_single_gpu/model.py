@@ -85,15 +85,15 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-def compute_dtype(x):
-    """The dtype the next matmul reads x in: autocast's (bf16/fp16) while autocast is on, else x's own."""
+def to_compute_dtype(x):
+    """x in the dtype the next matmul reads: autocast's (bf16/fp16) while autocast is on, else x as it is."""
     kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
 
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x²) + eps) · w, computed in float32 as Hugging Face does; returned in the compute
-    dtype (`compute_dtype`)."""
+    dtype (`to_compute_dtype`)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -105,7 +105,7 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # Under autocast over fp32 weights, y would be fp32 and each linear reading it (q, k, v; gate, up) would
         # cast it to bf16 again: one cast here gives the same values, once.
-        return (self.weight * x32.to(x.dtype)).to(compute_dtype(x))
+        return to_compute_dtype(self.weight * x32.to(x.dtype))
 
 
 def rope_inv_freq(config, device=None):

@@ -97,10 +97,10 @@ def old_rotary(q, k, cos, sin):   # before: fp32 angles promoted q and k to fp32
 def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
     """Under bf16 autocast over fp32 weights, RMSNorm and RoPE now return bf16, where they returned fp32 that
     each reader cast to bf16 again. The casts move, the values do not: the loss is bitwise that of the old
-    outputs (emulated: `compute_dtype` giving the input's dtype, the old fp32 rotation). The gradients differ
-    only in where they are summed: a norm output read by q, k, v (gate, up) sums its three (two) bf16
-    gradients in bf16 now, in fp32 before, so they agree to bf16's rounding (2^-8 relative, accumulated over
-    4 layers: 5e-2 of the largest gradient)."""
+    outputs (emulated: `to_compute_dtype` leaving its input as it is, the old fp32 rotation). The gradients
+    differ only in where they are summed: a norm output read by q, k, v (gate, up) sums its three (two)
+    bf16 gradients in bf16 now, in fp32 before, so they agree to bf16's rounding (2^-8 relative,
+    accumulated over 4 layers: 5e-2 of the largest gradient)."""
     config = modeling.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
         cos, sin = modeling.rotary_cos_sin(torch.arange(3), config, torch.float32)
         assert all(t.dtype == torch.bfloat16 for t in modeling.apply_rotary(q, k, cos, sin))
     new_loss, new_grads = _autocast_step(model, x, y)
-    monkeypatch.setattr(modeling, "compute_dtype", lambda x: x.dtype)
+    monkeypatch.setattr(modeling, "to_compute_dtype", lambda x: x)
     for layer in model.model.layers:
         layer.self_attn.rope_fn = old_rotary
     old_loss, old_grads = _autocast_step(model, x, y)
