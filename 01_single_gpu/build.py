@@ -1,12 +1,12 @@
 """What every trainer builds before its first step: the device, the data, the seeded model (plumbing).
 
 Every folder starts from the same model: 01's Llama built on the meta device, with the --kernels/--attn
-pieces swapped in (kernels/patch.py); each folder slices it from outside and then materialises only what
-the rank keeps (materialize.py: each parameter seeded by (--seed, its name), or read from --init-from), so
-a parallel layout reproduces 01's numbers from the first step without ever holding the whole model. Mixed
-precision (playbook §2.1, mixed_precision.py): --dtype bfloat16/float16 run forward and backward under
-autocast, over fp32 weights or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run
-everything in that type.
+pieces swapped in (kernels/patch.py) and, with --compile, each decoder layer marked for torch.compile;
+each folder slices it from outside and then materialises only what the rank keeps (materialize.py: each
+parameter seeded by (--seed, its name), or read from --init-from), so a parallel layout reproduces 01's
+numbers from the first step without ever holding the whole model. Mixed precision (playbook §2.1,
+mixed_precision.py): --dtype bfloat16/float16 run forward and backward under autocast, over fp32 weights
+or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run everything in that type.
 """
 import os
 from importlib import import_module
@@ -57,7 +57,20 @@ def build_model(args, config):
         p.global_name = name         # follows the parameter through every slicing: checkpoints are global
     if (args.kernels, args.attn) != ("torch", "sdpa"):
         import_module("kernels.patch").apply_kernels(model, args.kernels, args.attn)
+    if args.compile:
+        compile_layers(model)
     return model
+
+
+def compile_layers(model):
+    """--compile: torch.compile each decoder layer, as torchtitan does, not the whole model.
+
+    The L layers share one code and one compiled graph; the embedding, the loss and whatever a folder
+    runs between layers (pipeline sends, gradient hooks) stay eager. `Module.compile` compiles in place
+    and lazily: the state dict keeps its names, and the first call traces the layer as the folder left it
+    (tensor-parallel shards, a context-parallel attention core, recompute's checkpoint, an MoE block)."""
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def source(model, args):

@@ -22,11 +22,21 @@ import torch
 
 checks = import_module("01_single_gpu.cli_checks")
 watchdog = import_module("01_single_gpu.watchdog")
-PRESETS = {  # hidden, intermediate, layers, heads, kv heads
-    "tiny": (128, 352, 4, 4, 2),
-    "small": (512, 1408, 8, 8, 4),
-    "1b": (2048, 5632, 22, 32, 4),   # TinyLlama-1.1B's shape; ~1.0B parameters with the byte vocabulary
+SHAPE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+# Each preset: its shape, then the flags it sets when they are not given. --lr: the published peak of a model
+# of that size (TinyLlama 4e-4; Llama 3's 3e-4), since 3e-3 makes a 1B model's loss climb before it falls.
+PRESETS = {
+    "tiny": dict(zip(SHAPE, (128, 352, 4, 4, 2)), lr=3e-3),
+    "small": dict(zip(SHAPE, (512, 1408, 8, 8, 4)), lr=3e-3),
+    # TinyLlama-1.1B, with its 32000-token vocabulary (the byte tokenizer's 257 ids are the first of them)
+    "1b": dict(zip(SHAPE, (2048, 5632, 22, 32, 4)), vocab_size=32000, lr=4e-4),
+    # Llama-3.2-1B as its config.json has it: tied embeddings, RoPE base 500000 and Llama 3.1's scaling
+    "llama3-1b": dict(zip(SHAPE, (2048, 8192, 16, 32, 8)), vocab_size=128256, tie_embeddings=True, lr=3e-4,
+                      rope_theta=500000.0, max_position_embeddings=131072,
+                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")   # preset keys with no flag: the config's
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,8 +92,10 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     m.add_argument("--num-kv-heads", type=int,
                    help="key/value heads, at most --num-heads and dividing it (GQA; default: the preset's)")
     m.add_argument("--vocab-size", type=int, default=None,
-                   help="default: the tokenizer's vocabulary rounded up to a multiple of 64 (divisible by tp)")
-    m.add_argument("--tie-embeddings", action="store_true", help="the LM head shares the embedding matrix")
+                   help="default: the preset's (1b 32000, llama3-1b 128256), else the tokenizer's vocabulary "
+                        "rounded up to a multiple of 64 (divisible by tp)")
+    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output layer shares the embedding's weight (default: the preset's, llama3-1b ties)")
     m.add_argument("--init-from", metavar="HF_DIR", help="start from HF-format weights (config.json + safetensors)")
 
     t = p.add_argument_group("training")
@@ -91,7 +103,8 @@ def core_parser(description: str) -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     t.add_argument("--mbs", type=int, default=8, help="micro-batch size (sequences per rank per micro-batch)")
     t.add_argument("--grad-acc", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    t.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: the preset's: tiny, small 3e-3, 1b 4e-4, llama3-1b 3e-4)")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
     t.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up to --lr over these steps")
     t.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
@@ -112,10 +125,13 @@ def core_parser(description: str) -> argparse.ArgumentParser:
                    help="RMSNorm, SwiGLU, RoPE and the loss in eager PyTorch or as Triton kernels (kernels/)")
     t.add_argument("--attn", choices=["sdpa", "eager", "triton"], default="sdpa",
                    help="attention core: PyTorch SDPA, written-out softmax, or kernels/flash_attention.py")
+    t.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (build.py; on the CPU inductor needs a C++ compiler)")
 
     d = p.add_argument_group("data")
     d.add_argument("--dataset", default="stdlib",
-                   help="'stdlib' (offline default: Python's own sources), a local .txt/.md/.py or "
+                   help="'stdlib' (offline default: Python's own sources), 'synthetic' (uniform random token ids "
+                        "of the model's vocabulary, seeded by --seed: for speed runs), a local .txt/.md/.py or "
                         ".jsonl/.json/.parquet file or folder, or an HF hub dataset name (needs the network)")
     d.add_argument("--text-column", default="text", help="the column of .jsonl/.json/.parquet/hub records to read")
     d.add_argument("--tokenizer", default="bytes", help="'bytes' (offline default) or an HF tokenizer dir/name")
@@ -169,10 +185,8 @@ def parse_args(parser, argv=None, files: bool = True):
     """
     args = parser.parse_args(argv)
     explicit_kv_heads = args.num_kv_heads is not None
-    preset = dict(zip(("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"),
-                      PRESETS[args.preset]))
-    for name, value in preset.items():
-        if getattr(args, name) is None:
+    for name, value in {"tie_embeddings": False, **PRESETS[args.preset]}.items():
+        if name not in ROPE and getattr(args, name) is None:
             setattr(args, name, value)
     args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
     try:
@@ -208,7 +222,10 @@ def setup(parser, argv=None, check_layout=None):
         config = model_config(args, tokenizer.vocab_size)
         if check_layout is not None:
             check_layout(args, config)
-        dataset = data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
+        if args.dataset == data.SYNTHETIC:
+            dataset = data.SyntheticWindows(config.vocab_size, args.seq_len, args.seed)
+        else:
+            dataset = data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
         held_out = args.eval_batches * checks.global_batch_of(args)
         if held_out and held_out >= len(dataset):
             raise ValueError(f"--eval-batches {args.eval_batches} holds out {held_out} of the {len(dataset)} "
@@ -225,11 +242,13 @@ def model_config(args, tokenizer_vocab: int):
         config = hf_io.config_from_hf(args.init_from, model_mod.LlamaConfig)
     else:
         vocab = args.vocab_size or -(-tokenizer_vocab // 64) * 64
+        rope = {k: v for k, v in PRESETS[args.preset].items() if k in ROPE}
         config = model_mod.LlamaConfig(
             vocab_size=vocab, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
             num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
             num_key_value_heads=args.num_kv_heads, tie_word_embeddings=args.tie_embeddings,
-            max_position_embeddings=max(4096, args.seq_len))
+            **{**rope, "max_position_embeddings": max(rope.get("max_position_embeddings", 4096), args.seq_len)})
     if config.vocab_size < tokenizer_vocab:
-        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}")
+        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: pass "
+                         f"--vocab-size {tokenizer_vocab} or more")
     return config

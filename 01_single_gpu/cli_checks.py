@@ -8,6 +8,7 @@ into the line.
 """
 import math
 import os
+import shutil
 import sys
 import tempfile
 from importlib import import_module
@@ -55,6 +56,14 @@ def check_values(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
     check_triton(args.kernels, args.attn)
+    compiler = os.environ.get("CXX", "g++")     # the C++ compiler inductor builds its CPU kernels with
+    if args.compile and args.device == "cpu" and not shutil.which(compiler):
+        raise ValueError(f"--compile on the CPU builds C++ kernels, but the compiler {compiler} is not on PATH: "
+                         f"install g++ (or set CXX), or drop --compile")
+    if args.compile and getattr(args, "num_experts", 0):    # 07's and 08's MoE layers
+        raise ValueError("--compile does not take the mixture-of-experts layer: its routing sizes depend on "
+                         "the data (graph breaks, a recompile per batch, ranks stalled in collectives): drop "
+                         "--compile")
 
 
 def check_triton(kernels: str, attn: str):
@@ -76,7 +85,7 @@ def check_inputs(args):
     """The files the flags name, without loading them: the outputs can be written, the data source, the
     tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says (with
     `--resume auto`, a folder without any step_* folder means a new run)."""
-    cli, sources = import_module("01_single_gpu.cli"), import_module("01_single_gpu.sources")
+    cli, sources, data = (import_module(f"01_single_gpu.{m}") for m in ("cli", "sources", "data"))
     hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
     modeling = import_module("01_single_gpu.model")
     check_output_file(args.json_log, "--json-log")
@@ -91,7 +100,14 @@ def check_inputs(args):
             import tensorboard  # noqa: F401  (torch.utils.tensorboard writes its event files)
         except ImportError:
             raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
+    if args.dataset == data.SYNTHETIC:    # random ids of the model's vocabulary: no text, no tokenizer
+        for flag, value, default in (("--tokenizer", args.tokenizer, "bytes"),
+                                     ("--text-column", args.text_column, "text")):
+            if value != default:
+                raise ValueError(f"--dataset synthetic draws token ids, no text is read: drop {flag} (the model's "
+                                 f"vocabulary is --vocab-size or the preset's)")
+    else:
+        sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
     sources.check_tokenizer(args.tokenizer)
     if args.init_from:
         hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)

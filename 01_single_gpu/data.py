@@ -10,6 +10,8 @@ big inputs) into arrow files on disk, then copied batch by batch into one memory
 windows, so memory stays bounded whatever the input size. The cache file is named by a hash of
 everything that changes the tokens (files, text column, tokenizer content, seq_len, format).
 
+--dataset synthetic (`SyntheticWindows`) skips all of that: random token ids, drawn per window from --seed.
+
 Sampling is a pure function of (seed, step): the global batch of step s is the samples
 [s·G, (s+1)·G) of a seeded permutation per epoch, with G = dp·mbs·grad_acc. Data-parallel rank r
 reads its own M rows of each micro-batch, so `--dp D --mbs M` sees exactly the global batch of
@@ -32,6 +34,8 @@ DEFAULT_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "data"
 FORMAT_VERSION = 2                 # bump when the code below would turn the same inputs into other windows
 PIECE_CHARS = 2**16                # a text is tokenized in line-aligned pieces of at most this many chars
 TEXT_BYTES_PER_PROC = 4 * 2**20    # one tokenizing process per this much text, up to the cores
+SYNTHETIC = "synthetic"            # --dataset synthetic: random token ids (SyntheticWindows)
+SYNTHETIC_WINDOWS = 2**16          # its length: the sampler's permutation of them stays small
 
 
 class ByteTokenizer:
@@ -233,6 +237,25 @@ def build_dataset(source: str, tokenizer, seq_len: int, cache_dir=DEFAULT_CACHE,
                     _build(source, kind, files, text_column, tokenizer, seq_len + 1, Path(scratch))
                     os.replace(Path(scratch) / "windows.npy", target)
     return TokenWindows(target)
+
+
+class SyntheticWindows:
+    """--dataset synthetic: `windows` windows of seq_len+1 token ids drawn uniformly from [0, vocab_size),
+    window i from a generator seeded by (seed, i), redrawn whenever it is read. Nothing is read, tokenized,
+    downloaded or cached, and every folder and layout reads the same windows. For speed runs: no token
+    predicts the next, so the loss cannot go below ln(vocab_size)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, windows: int = SYNTHETIC_WINDOWS):
+        self.vocab_size, self.seq_len, self.seed, self.windows = vocab_size, seq_len, seed, windows
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.windows:
+            raise IndexError(i)
+        g = torch.Generator().manual_seed(self.seed * self.windows + i)
+        return {"input_ids": torch.randint(self.vocab_size, (self.seq_len + 1,), generator=g).numpy()}
 
 
 class WindowRange:

@@ -137,8 +137,12 @@ def load(assembler, optimizer, model, step: float):
     # Saved before AdamW's first step (fp16: every step so far overflowed), a checkpoint holds no moments:
     # the state stays empty, and AdamW creates it at its first step, as in the run that saved it.
     moments = step > 0
+    groups = optimizer.param_groups
+    on_device = {id(p) for g in groups if g.get("fused") or g.get("capturable") for p in g["params"]}
     for p in stepped if moments else []:
-        optimizer.state[p] = {"step": torch.tensor(step, dtype=torch.float32),
+        # a fused AdamW reads its step count on the tensors' device, the others on the host
+        where = p.device if id(p) in on_device else None
+        optimizer.state[p] = {"step": torch.tensor(step, dtype=torch.float32, device=where),
                               "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     wanted = {}                                          # name -> [(local flat tensor, segment, quantity)]
     for p in stepped + others:

@@ -85,8 +85,15 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+def to_compute_dtype(x):
+    """x in the dtype the next matmul reads: autocast's (bf16/fp16) while autocast is on, else x as it is."""
+    kind = x.device.type
+    return x.to(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else x
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) · w, computed in float32 as Hugging Face does."""
+    """y = x / sqrt(mean(x²) + eps) · w, computed in float32 as Hugging Face does; returned in the compute
+    dtype (`to_compute_dtype`)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -96,7 +103,9 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # (B, T, C)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # Under autocast over fp32 weights, y would be fp32 and each linear reading it (q, k, v; gate, up) would
+        # cast it to bf16 again: one cast here gives the same values, once.
+        return to_compute_dtype(self.weight * x32.to(x.dtype))
 
 
 def rope_inv_freq(config, device=None):
@@ -152,16 +161,19 @@ def rotate_half(x):  # (..., hd) -> (..., hd): [x1, x2] -> [-x2, x1]
 
 
 def apply_rotary(q, k, cos, sin):
-    """Rotate q (B, nh, T, hd) and k (B, nkv, T, hd) by the angles in cos/sin (T, hd)."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """Rotate q (B, nh, T, hd) and k (B, nkv, T, hd) by the angles in cos/sin (T, hd), in q's and k's dtype.
+
+    fp32 angles under bf16 autocast: the products run in fp32 and are rounded once, to the bf16 the
+    attention reads (the values it read before, when it cast fp32 q and k itself)."""
+    return (q * cos + rotate_half(q) * sin).to(q.dtype), (k * cos + rotate_half(k) * sin).to(k.dtype)
 
 
 def sdpa_attention(q, k, v):
-    """Causal attention core: q (B, nh, T, hd), k/v (B, nkv, T, hd) -> (B, nh, T, hd)."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)                                # (B, nh, T, hd)
-    v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal attention core: q (B, nh, T, hd), k/v (B, nkv, T, hd) -> (B, nh, T, hd).
+
+    enable_gqa: query head h reads key/value head h // (nh/nkv) inside the kernel, without the copies
+    `repeat_interleave` would make (nh/nkv times K and V, forward and backward)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def eager_attention(q, k, v):

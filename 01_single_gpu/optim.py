@@ -3,7 +3,8 @@
 AdamW (Loshchilov & Hutter) with Llama's β = (0.9, 0.95), decoupled weight decay on the matrices and
 embeddings only, and the schedule of playbook §2.1's training runs: a linear warm-up to --lr over
 --warmup-steps, then a cosine decay to lr·min_lr_ratio at step --lr-decay-steps (default --steps), flat
-after it. Parallel folders keep this optimizer and change only which tensors it steps (ZeRO: shards).
+after it. AdamW runs as its fused kernel (`fused`). Parallel folders keep this optimizer and change only
+which tensors it steps (ZeRO: shards).
 `SkipNonFinite` makes a step with NaN/inf gradients change nothing (--on-nonfinite skip).
 """
 import math
@@ -11,6 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
+FUSED_DEVICES = ("cpu", "cuda")   # the devices this project trains on; torch ≥ 2.4 has fused AdamW for both
 
 def decays(p) -> bool:
     """Weight decay applies to the matrices and the embedding (2-D), not to the RMSNorm gains (1-D):
@@ -19,12 +21,36 @@ def decays(p) -> bool:
     return getattr(p, "decays", p.dim() >= 2)
 
 
+def fused(params) -> bool:
+    """AdamW's fused kernel (one kernel per step for all tensors) wherever torch has one for their device:
+    CUDA and, since torch 2.4, the CPU. It reads each tensor once per step, where the default `foreach`
+    path runs a dozen element-wise passes. Per element it is the same arithmetic whatever the tensor's
+    shape, so ZeRO's flat shards (03) and host masters (offload) step exactly as 01's whole parameters.
+    The kernel walks a parameter's memory as if it were contiguous: a strided one keeps the `foreach` path
+    (04's tp 2 from --init-from with tied embeddings diverged from 01 at step 2 without this rule)."""
+    return all(p.device.type in FUSED_DEVICES and p.is_floating_point() and p.is_contiguous() for p in params)
+
+
 def make_optimizer(params, args):
     """AdamW (β = 0.9, 0.95, as Llama) with decoupled weight decay on the parameters `decays` picks."""
     params = list(params)
     groups = [{"params": [p for p in params if decays(p)], "weight_decay": args.weight_decay},
               {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                  fused=fused(params))
+    if fused(params):
+        optimizer.register_step_pre_hook(match_gradient_layouts)
+    return optimizer
+
+
+def match_gradient_layouts(optimizer, args, kwargs):
+    """Before a fused step: a strided gradient (a transposed view) is made contiguous, as its parameter
+    is. The fused kernel walks both memories in step, element by element: torch's CPU kernel misreads
+    such a gradient without a word."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
 
 
 def lr_at(step: int, args) -> float:

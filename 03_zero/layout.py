@@ -39,6 +39,7 @@ def check_zero(args):
         return
     if args.tie_embeddings:
         raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
+                         "(a tying preset: pass --no-tie-embeddings) "
                          "or use --zero-stage 1 or 2")
     if args.kernels != "torch":
         raise ValueError("--zero-stage 3 gathers the head in lm_head's forward hook, which the fused "

@@ -77,7 +77,8 @@ def check_pipeline(num_layers: int, pp: int, chunks: int, schedule: str, grad_ac
                          f"got {grad_acc} (Megatron §4.2.1); use --grad-acc {math.ceil(grad_acc / pp) * pp}")
     if tie_embeddings and pp > 1:
         raise ValueError("--tie-embeddings with --pp > 1 is not supported: the embedding (first stage) and "
-                         "the lm head (last stage) live on different ranks; drop --tie-embeddings")
+                         "the lm head (last stage) live on different ranks; drop --tie-embeddings (a tying "
+                         "preset: pass --no-tie-embeddings)")
 
 
 def block_index(pp_rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:

@@ -49,6 +49,7 @@ def check_gradient_sync(args):
                          f"reduce-scatters its own units: drop --dp-mode or use --zero-stage 0")
     if args.zero_stage == 3 and args.tie_embeddings:
         raise ValueError("--zero-stage 3 gathers each module's own parameters: drop --tie-embeddings "
+                         "(a tying preset: pass --no-tie-embeddings) "
                          "or use --zero-stage 1 or 2")
     mixed_precision.check_precision(args)
 

@@ -136,6 +136,17 @@ CASES = [
     ("dataset-empty-jsonl", "01", ["--dataset", "{empty_jsonl}"], "holds no records", {}),
     ("dataset-corrupt-parquet", "01", ["--dataset", "{bad_parquet}"], "is not a Parquet file", {}),
     ("dataset-too-small", "01", ["--dataset", "{small_txt}"], "pass more text", {}),
+    # --- the fast path: --dataset synthetic, --compile, a preset that ties its embeddings
+    ("synthetic-with-tokenizer", "01", ["--dataset", "synthetic", "--tokenizer", "{tok_no_eos}"], "drop --tokenizer",
+     {}),
+    ("synthetic-with-text-column", "01", ["--dataset", "synthetic", "--text-column", "body"], "drop --text-column",
+     {}),
+    ("synthetic-vocab-below-tokenizer", "01", ["--dataset", "synthetic", "--vocab-size", "100"],
+     "pass --vocab-size 257 or more", {}),
+    ("compile-without-compiler", "01", ["--compile"], "install g++ (or set CXX)", {"CXX": "/no/such/c++"}),
+    ("compile-moe", "07", ["--compile"], "--compile does not take the mixture-of-experts layer", {}),
+    ("tied-preset-zero3", "03", ["--preset", "llama3-1b", "--zero-stage", "3"], "pass --no-tie-embeddings", {}),
+    ("tied-preset-pp2", "06", ["--preset", "llama3-1b", "--pp", "2"], "pass --no-tie-embeddings", {}),
     # --- tokenizer
     ("tokenizer-missing-dir", "01", ["--tokenizer", "./no-such-tokenizer"], "no such folder", {}),
     ("tokenizer-missing-abs", "01", ["--tokenizer", "{missing}/tok"], "no such folder", {}),
