@@ -42,12 +42,6 @@ def autocast(args, device):
     return torch.autocast(device.type, dtype=AUTOCAST.get(args.dtype), enabled=args.dtype in AUTOCAST)
 
 
-def load_data(args):
-    """(tokenizer, windows of seq_len + 1 tokens) for --dataset/--tokenizer/--text-column (data.py)."""
-    tokenizer = data.load_tokenizer(args.tokenizer)
-    return tokenizer, data.build_dataset(args.dataset, tokenizer, args.seq_len, text_column=args.text_column)
-
-
 def build_model(args, config):
     """01's model on the meta device (shapes, no memory), with the --kernels/--attn pieces swapped in.
     Later folders slice it from outside; `materialize` then gives the rank's parameters their values."""

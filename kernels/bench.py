@@ -208,7 +208,7 @@ def run_all(args, timer, peaks, gpu=None):
 
 
 def sdpa_flash(sdpa_attention):
-    """01's sdpa_attention (k/v repeated for GQA, causal) with SDPA pinned to its FlashAttention backend."""
+    """01's sdpa_attention (GQA through enable_gqa, causal) with SDPA pinned to its FlashAttention backend."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def run(q, k, v):

@@ -47,7 +47,8 @@ SHAPES = {"llama3-1b": ["--preset", "llama3-1b"],                  # Llama-3.2-1
 TRAIN_FLAGS = ["--device", "cuda", "--dtype", "bfloat16", "--seq-len", "2048", "--mbs", "4",
                "--dataset", "synthetic"]
 # The smoke run's model: the tiny preset on the default corpus (flags every checkout has)
-SMOKE_FLAGS = ["--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--seq-len", "32", "--mbs", "1"]
+SMOKE_FLAGS = ["--device", "cpu", "--dtype", "bfloat16", "--preset", "tiny", "--seq-len", "32", "--mbs", "1",
+               "--dataset", "synthetic"]
 MFU_CONVENTION = ("model FLOPs per token 6·N (matmul parameters) + 12·L·h·s (causal attention scores, "
                   "counted in full as PaLM does): 01_single_gpu/metrics.py")
 KERNEL_TESTS = ["tests/test_kernels.py", "tests/test_fp8.py"]
