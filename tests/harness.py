@@ -205,3 +205,19 @@ def layout_results(outcomes: dict, layout_id):
     if isinstance(outcome, RankError):
         raise RankError(*outcome.args)
     return outcome
+
+
+def selected(request, layouts: dict) -> dict:
+    """The layouts a module fixture must run: those its collected tests name by parameter, so that
+    `pytest 'file::test[id]'` (an exercise's test) spawns for that one; all of them in a full run, and
+    whenever a test using the fixture is not parametrized by a layout (it reads several)."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+        named = {v for v in params if isinstance(v, str) and v in layouts}
+        if not named:
+            return layouts
+        wanted |= named
+    return {k: v for k, v in layouts.items() if k in wanted} or layouts
