@@ -19,7 +19,16 @@ if not torch.cuda.is_available():
 QUICK_FILES = ("tests/test_repository.py",)
 
 
+def _spawns_ranks(config) -> bool:
+    """Whether the session will likely fork ranks: a folder, or a test file that uses the harness."""
+    paths = [Path(config.invocation_params.dir, arg.split("::")[0]) for arg in config.args]
+    return any(p.is_dir() or p.suffix == ".py" and p.is_file() and "harness" in p.read_text() for p in paths)
+
+
 def pytest_configure(config):
+    if _spawns_ranks(config):
+        import rank_server
+        rank_server.start()   # its imports overlap collection on the other core
     config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
                                        "one per technique, and the files named in conftest.QUICK_FILES")
 

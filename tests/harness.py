@@ -27,10 +27,12 @@ from queue import Empty
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rank_server
+
 free_port = import_module("02_data_parallel.process_grid").free_port
 
 _RANKS = mp.get_context("forkserver")
-_RANKS.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed"])   # imported once, by the server
+_RANKS.set_forkserver_preload(rank_server.PRELOAD)   # imported once, by the server (conftest may start it)
 
 
 class RankError(RuntimeError):
