@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import sys
+import warnings
 from importlib import import_module
 from pathlib import Path
 
@@ -12,6 +13,39 @@ if not torch.cuda.is_available():
     # Triton reads it when kernels/ is first imported, by whichever test module comes first (test_fp8
     # imports kernels/ before test_kernels would set it); spawned ranks inherit it
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+# The quick tier beside the exercises' tests (one per technique, 01-08 and kernels/): these single-process
+# files. `pytest -m quick` runs it in about two minutes; the full suite proves the rest.
+QUICK_FILES = ("tests/test_repository.py",)
+
+
+def _spawns_ranks(config) -> bool:
+    """Whether the session will likely fork ranks: a folder, or a test file that uses the harness."""
+    paths = [Path(config.invocation_params.dir, arg.split("::")[0]) for arg in config.args]
+    return any(p.is_dir() or p.suffix == ".py" and p.is_file() and "harness" in p.read_text() for p in paths)
+
+
+def pytest_configure(config):
+    if _spawns_ranks(config):
+        import rank_server
+        rank_server.start()   # its imports overlap collection on the other core
+    config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
+                                       "one per technique, and the files named in conftest.QUICK_FILES")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the quick tier: every exercise's test (its parameters too) and QUICK_FILES."""
+    import exercises
+    try:
+        tests = {e.test for e in exercises.parse()}
+    except exercises.ExerciseError as error:   # test_exercises names it; the tier goes on without them
+        warnings.warn(f"the quick tier has no exercise tests: {error}")
+        tests = set()
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        if item.nodeid in tests or function in tests or item.nodeid.startswith(QUICK_FILES):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session", autouse=True)

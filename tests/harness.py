@@ -27,10 +27,12 @@ from queue import Empty
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import rank_server
+
 free_port = import_module("02_data_parallel.process_grid").free_port
 
 _RANKS = mp.get_context("forkserver")
-_RANKS.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed"])   # imported once, by the server
+_RANKS.set_forkserver_preload(rank_server.PRELOAD)   # imported once, by the server (conftest may start it)
 
 
 class RankError(RuntimeError):
@@ -205,3 +207,19 @@ def layout_results(outcomes: dict, layout_id):
     if isinstance(outcome, RankError):
         raise RankError(*outcome.args)
     return outcome
+
+
+def selected(request, layouts: dict) -> dict:
+    """The layouts a module fixture must run: those its collected tests name by parameter, so that
+    `pytest 'file::test[id]'` (an exercise's test) spawns for that one; all of them in a full run, and
+    whenever a test using the fixture is not parametrized by a layout (it reads several)."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module or request.fixturename not in item.fixturenames:
+            continue
+        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+        named = {v for v in params if isinstance(v, str) and v in layouts}
+        if not named:
+            return layouts
+        wanted |= named
+    return {k: v for k, v in layouts.items() if k in wanted} or layouts

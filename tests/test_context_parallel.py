@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import common
-from harness import layout_results, run_layouts, run_ranks
+from harness import layout_results, run_layouts, run_ranks, selected
 from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, numbers, shard_like, train_layout
 
 cli = import_module("01_single_gpu.cli")
@@ -210,9 +210,9 @@ LAYER_PARTS = (*ATTENTIONS, "models")
 
 
 @pytest.fixture(scope="module")
-def layer_runs():
+def layer_runs(request):
     """One 2-rank spawn runs the parts in turn; a part that raises is named, the others still run."""
-    return run_layouts(layer_level, {part: part for part in LAYER_PARTS}, 2, timeout=180)
+    return run_layouts(layer_level, selected(request, {part: part for part in LAYER_PARTS}), 2, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -357,10 +357,10 @@ def _tp(layout):
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(request):
     """One 2-rank spawn runs TWO_RANKS in turn (a spawn costs seconds; a layout that raises on the ranks
     is named, and the next ones still run unless a rank may be blocked in a collective with it)."""
-    return run_layouts(train_layout, TWO_RANKS, 2)
+    return run_layouts(train_layout, selected(request, TWO_RANKS), 2)
 
 
 def four_rank_run(layout):
@@ -385,9 +385,9 @@ def four_rank_run(layout):
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(request):
     """One 4-rank spawn for FOUR_RANKS, as two_ranks."""
-    return run_layouts(four_rank_run, FOUR_RANKS, 4, timeout=300)
+    return run_layouts(four_rank_run, selected(request, FOUR_RANKS), 4, timeout=300)
 
 
 @pytest.mark.parametrize("layout_id", TWO_RANKS)

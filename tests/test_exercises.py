@@ -74,7 +74,7 @@ def made_up(tmp_path, calc=CALC):
     (root / "tests" / "test_calc.py").write_text(TESTS)
     (root / "tests" / "exercise_stubs.py").write_text((ROOT / "tests" / "exercise_stubs.py").read_text())
     (root / "README.md").write_text("# demo\n")
-    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\npythonpath = ["."]\n')
+    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())   # its options: no unused plugins
     return root
 
 

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import common
-from harness import layout_results, run_layouts
+from harness import layout_results, run_layouts, selected
 
 modeling = import_module("01_single_gpu.model")
 process_grid = import_module("02_data_parallel.process_grid")
@@ -390,16 +390,16 @@ FOUR_RANKS = {"layer-twin-ep4": ("twin", 4), "dp4-ep4": ("run", ["--dp", 4, "--e
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def two_ranks(request):
     """One 2-rank spawn runs TWO_RANKS in turn (a spawn costs seconds; a layout that raises on the ranks is
     named, and the next ones still run unless a rank may be blocked in a collective with the failed one)."""
-    return run_layouts(_expert_layout, TWO_RANKS, 2)
+    return run_layouts(_expert_layout, selected(request, TWO_RANKS), 2)
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
+def four_ranks(request):
     """One 4-rank spawn for FOUR_RANKS, as two_ranks."""
-    return run_layouts(_expert_layout, FOUR_RANKS, 4)
+    return run_layouts(_expert_layout, selected(request, FOUR_RANKS), 4)
 
 
 def _check_whole_run(layout, got, reference):
@@ -412,19 +412,19 @@ def _check_whole_run(layout, got, reference):
 
 
 @pytest.mark.parametrize("layout_id", TWO_RANKS)
-def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(two_ranks, reference, layout_id):
+def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(two_ranks, request, layout_id):
     got = layout_results(two_ranks, layout_id)
     if TWO_RANKS[layout_id][0] == "twin":          # the twin's numbers are asserted on the ranks
         assert all(s_out > 0 and s_in > 0 for s_out, s_in in got)            # rows really travelled
     else:
-        _check_whole_run(TWO_RANKS[layout_id], got, reference)
+        _check_whole_run(TWO_RANKS[layout_id], got, request.getfixturevalue("reference"))   # a twin needs none
 
 
 @pytest.mark.parametrize("layout_id", FOUR_RANKS)
-def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(four_ranks, reference, layout_id):
+def test_ep4_layer_twin_and_dp4_ep4_and_dp4_ep2_match_single_device(four_ranks, request, layout_id):
     got = layout_results(four_ranks, layout_id)
     if FOUR_RANKS[layout_id][0] == "twin":
         assert all(s_out > 0 for s_out, _ in got)                             # every rank sent rows away
         assert got[3][1] == 0                                                 # the starved expert's owner
     else:
-        _check_whole_run(FOUR_RANKS[layout_id], got, reference)
+        _check_whole_run(FOUR_RANKS[layout_id], got, request.getfixturevalue("reference"))

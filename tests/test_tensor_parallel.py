@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import common
-from harness import layout_results, run_layouts, run_ranks
+from harness import layout_results, run_layouts, run_ranks, selected
 
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
@@ -208,9 +208,9 @@ LAYER_PARTS = ("f-and-f-bar", "model")
 
 
 @pytest.fixture(scope="module")
-def layer_twins():
+def layer_twins(request):
     """One 2-rank spawn runs both parts in turn; a part that raises is named, the other still runs."""
-    return run_layouts(check_layers, {part: part for part in LAYER_PARTS}, 2, timeout=120)
+    return run_layouts(check_layers, selected(request, {part: part for part in LAYER_PARTS}), 2, timeout=120)
 
 
 @pytest.mark.parametrize("part", LAYER_PARTS)
