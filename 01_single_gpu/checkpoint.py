@@ -89,25 +89,50 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
             for quantity, flat in data.items():
                 tensors[f"{quantity}/{index}"] = flat.detach().to("cpu", copy=True).contiguous()
             listed.append({**asdict(segment), "key": list(segment.key), "file": path.name, "index": index})
-    save_file(tensors, path)
-    files = [(path.name, {"bytes": path.stat().st_size, "sha256": sha256_of(path)})]   # read back: what is on disk
+    try:
+        save_file(tensors, path)
+        files, problems = [(path.name, {"bytes": path.stat().st_size, "sha256": sha256_of(path)})], []
+    except OSError as error:                            # a full disk: every rank learns it below, none hangs
+        files, problems = [None], [error.strerror or str(error)]
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, (files[0], listed))
-        files, listed = [f for f, _ in gathered], [piece for _, pieces in gathered for piece in pieces]
-    if rank == 0:
+        dist.all_gather_object(gathered, (files[0], listed, problems))
+        files, listed = [f for f, _, _ in gathered], [piece for _, pieces, _ in gathered for piece in pieces]
+        problems = [problem for _, _, rank_problems in gathered for problem in rank_problems]
+    if rank == 0 and not problems:
         scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
         manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta,
                     "config": global_state.model_config(model), "optimizer_step": global_state.optimizer_step(optimizer),
                     "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files), "pieces": listed}
         manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
         manifest["manifest_sha256"] = manifest_digest(manifest)
-        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        try:
+            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        except OSError as error:
+            problems = [error.strerror or str(error)]
+    if world > 1:                                       # rank 0's manifest: the last write that can fail
+        shared = [problems]
+        dist.broadcast_object_list(shared, src=0)
+        problems = shared[0]
+    if problems:
+        _abandon(directory, scratch, step, problems[0], rank)
+    if rank == 0:
         _publish(scratch, final)
         _prune(Path(directory), step, meta["args"]["run_id"], keep_last, replace_other_runs)
     if world > 1:
         dist.barrier()
     return final
+
+
+def _abandon(directory, scratch: Path, step: int, problem: str, rank: int):
+    """A save that could not be written (a full disk): its torn folder removed, one line, exit status 1.
+    The checkpoints saved before it are untouched: nothing is published or pruned before every write."""
+    if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    import_module("01_single_gpu.cli").fail(
+        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass another "
+        f"--checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the last one)",
+        status=1)
 
 
 def _publish(scratch: Path, final: Path):
