@@ -152,8 +152,12 @@ def test_every_step_and_kernel_has_exercises_in_course_order():
     the root README's table lists it."""
     steps = {p.name[:2] for p in ROOT.iterdir() if p.is_dir() and p.name[:2].isdigit()}
     assert {e.id.split(".")[0] for e in FOUND} == steps | {"K"}
-    triton_files = {p.name for p in (ROOT / "kernels").glob("*.py") if "@triton.jit" in p.read_text()}
-    kernel_blocks = {b.path.split("/")[1] for e in FOUND if e.id.startswith("K.") for b in e.blocks}
+    # A kernel whose backward has a file of its own (flash_attention_backward.py) is one technique: its
+    # exercise may sit in either file.
+    triton_files = {p.name.replace("_backward.py", ".py") for p in (ROOT / "kernels").glob("*.py")
+                    if "@triton.jit" in p.read_text()}
+    kernel_blocks = {b.path.split("/")[1].replace("_backward.py", ".py")
+                     for e in FOUND if e.id.startswith("K.") for b in e.blocks}
     assert triton_files | {"cuda"} <= kernel_blocks and len(triton_files) >= 5
     for folder in steps | {"K"}:
         numbers = [int(e.id.split(".")[1]) for e in FOUND if e.id.startswith(folder + ".")]
