@@ -22,14 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python kernels/gpu_run.py` from anywhere
 
 import argparse
-import contextlib
 import importlib.util
 import itertools
 import json
 import math
-import os
 import re
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -38,6 +35,7 @@ from dataclasses import asdict, dataclass
 from importlib import import_module
 
 report = import_module("kernels.report")
+run_child = import_module("kernels.child_process").run_child
 metrics = import_module("01_single_gpu.metrics")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,53 +98,6 @@ def matrix():
 # Triton's interpreter would take minutes a row on a CPU: tests/test_kernels.py covers those kernels there
 SMOKE_ROWS = [Row("tiny", "torch", "sdpa", "bf16-20", False, 1),
               Row("tiny", "torch", "sdpa", "autocast", False, 2)]
-
-
-def run_child(command, limit_s: float, log, env=None):
-    """(status, seconds, output) of one child process: 'ok', 'failed' (non-zero exit) or 'timeout'."""
-    log.write(f"\n$ {' '.join(command)}\n".encode())
-    log.flush()
-    start, t0 = log.tell(), time.perf_counter()
-    # A process group of its own, so a timeout reaches the child's children (pytest's trainers) too
-    child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-    try:
-        status = "ok" if child.wait(timeout=max(limit_s, 1)) == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        end_tree(child)
-        status = "timeout"
-    log.flush()
-    output = Path(log.name).read_bytes()[start:].decode(errors="replace")
-    return status, time.perf_counter() - t0, output
-
-
-def end_tree(child):
-    """SIGTERM to the child's group (torchrun then stops its ranks), then SIGKILL to every process below
-    the child: torchrun starts each rank in a session of its own, out of the group's reach."""
-    tree = descendants(child.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        child.wait(timeout=10)
-    for pid in [child.pid, *tree, *descendants(child.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    child.wait()
-
-
-def descendants(pid: int) -> list:
-    """The live processes below pid, read from /proc (Linux)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])    # the fields after "(name)"
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def machine(log, env):

@@ -21,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 gpu_run = import_module("kernels.gpu_run")
+child_process = import_module("kernels.child_process")
 report = import_module("kernels.report")
 
 MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date", "clocks")
@@ -147,7 +148,7 @@ def test_a_stage_past_its_limit_is_ended_with_its_children(tmp_path):
                   "time.sleep(60)")
     with open(tmp_path / "log.txt", "wb") as log:
         t0 = time.perf_counter()
-        status, seconds, output = gpu_run.run_child([sys.executable, "-c", grandchild], 3, log)
+        status, seconds, output = child_process.run_child([sys.executable, "-c", grandchild], 3, log)
     assert status == "timeout" and time.perf_counter() - t0 < 30
     pid = int(output.split("grandchild ")[1].split()[0])
     time.sleep(0.5)
