@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass
 from importlib import import_module
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 FUSED_DEVICES = ("cpu", "cuda")   # the devices this project trains on; torch ≥ 2.4 has fused AdamW for both
 
+
 def decays(p) -> bool:
     """Weight decay applies to the matrices and the embedding (2-D), not to the RMSNorm gains (1-D):
     nanoGPT's and Megatron's rule, since shrinking a gain only rescales its layer. A ZeRO shard is a
@@ -36,9 +37,10 @@ def make_optimizer(params, args):
     params = list(params)
     groups = [{"params": [p for p in params if decays(p)], "weight_decay": args.weight_decay},
               {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+    fast = fused(params)
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  fused=fused(params))
-    if fused(params):
+                                  fused=fast)
+    if fast:
         optimizer.register_step_pre_hook(match_gradient_layouts)
     return optimizer
 

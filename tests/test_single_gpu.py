@@ -8,7 +8,6 @@ CPU, so a difference means a bug, not rounding; each tolerance says why it is wh
 import functools
 import json
 import math
-import re
 import subprocess
 import sys
 from importlib import import_module
