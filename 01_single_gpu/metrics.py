@@ -22,13 +22,12 @@ import math
 import os
 import resource
 import time
-from importlib import import_module
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-modeling = import_module("01_single_gpu.model")
+import model as modeling
 
 PROFILE_ACTIVE = 3                                             # steps --profile records
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}   # dense bf16, per GPU
@@ -164,7 +163,8 @@ class StepLog:
             with contextlib.suppress(OSError):     # close() flushes again: the record is lost either way
                 self.json.close()
             self.json = None
-            import_module("01_single_gpu.cli").fail(
+            import cli         # imported here: cli imports this module
+            cli.fail(
                 f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed "
                 f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so far "
                 f"are intact (--resume continues from the last one)", status=1)

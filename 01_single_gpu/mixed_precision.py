@@ -22,11 +22,10 @@ New compared with autocast alone: 16-bit weights with fp32 masters, and the loss
 """
 import math
 from dataclasses import dataclass
-from importlib import import_module
 
 import torch
 
-optim = import_module("01_single_gpu.optim")
+import optim
 
 DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -17,21 +17,23 @@ mixed_precision.py the dtypes (--dtype, --precision-layout; S is fp16's loss sca
     python 01_single_gpu/train.py --mbs 2 --grad-acc 4 --recompute selective --json-log run.jsonl
     python 01_single_gpu/train.py --dtype bfloat16 --precision-layout bf16-20 --grad-acc 4
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime")]
 
 import functools
-from importlib import import_module
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
-recompute = import_module("01_single_gpu.recompute")
+import build
+import cli
+import loop
+import memory
+import mixed_precision
+import metrics
+import optim
+import recompute
 
 
 def train_step(model, optimizer, micro_batches, args):

@@ -23,19 +23,21 @@ independent of N, which is why the ring is bandwidth-optimal (ZeRO §7.1: all-re
     torchrun --nproc_per_node 4 02_data_parallel/collectives_demo.py --ring-numel 10   # K not divisible by N
 New compared with 01: more than one process; every later folder is built from these operations.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "02_data_parallel")]
 
 import argparse
 import math
 import time
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-comm = import_module("02_data_parallel.comm")
+import comm
 
 
 # ======================================================================================

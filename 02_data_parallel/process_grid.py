@@ -23,12 +23,11 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-watchdog = import_module("01_single_gpu.watchdog")
+import watchdog
 
 
 def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1):

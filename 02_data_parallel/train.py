@@ -14,25 +14,27 @@ the norm after the all-reduce, fp16's overflow check, is the same on every rank,
 
 New in the step compared with 01: `no_sync` on all micro-batches but the last, and `finish_gradients`.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel")]
 
 import functools
-import os
-from importlib import import_module
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-optim = import_module("01_single_gpu.optim")
-recompute = import_module("01_single_gpu.recompute")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
+import build
+import cli
+import loop
+import memory
+import metrics
+import mixed_precision
+import optim
+import recompute
+import process_grid
+import comm
+import data_parallel
 
 
 def train_step(model, optimizer, micro_batches, ddp, grid, args):

@@ -16,13 +16,12 @@ parameters (01's materialize.py). zero.py shards a model with them; the command 
 New compared with 02: the flat buffers that ZeRO's collectives read and write in place.
 """
 import math
-from importlib import import_module
 
 import torch
 
-global_state = import_module("01_single_gpu.global_state")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-optim = import_module("01_single_gpu.optim")
+import global_state
+import mixed_precision
+import optim
 
 
 def llama_units(model):

@@ -23,14 +23,13 @@ machine "device" and "host" are both the CPU and the host tensors separate buffe
     torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 3 --offload param
 
 New compared with zero.py: `OptimizerOffload` with its two copies around the step in train.py, and
-`ParameterOffload`, ZeRO-3 with host shards (the flags and the numbers: layout.py).
+`ParameterOffload`, ZeRO-3 with host shards (the flags and the numbers: zero_layout.py).
 """
-from importlib import import_module
 
 import torch
 
-memory = import_module("01_single_gpu.memory")
-zero = import_module("03_zero.zero")
+import memory
+import zero
 
 
 class OptimizerOffload:

@@ -14,28 +14,30 @@ the shards, AdamW steps 1/N of the states, and stages 1-2 all-gather the updated
 With --offload optimizer (offload.py, ZeRO-Offload) that 1/N lives on the host and the step runs there;
 with --offload param (ZeRO-3) the parameter shards and their gradients too (the copies: zero's hooks).
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "03_zero")]
 
 import functools
-import os
-from importlib import import_module
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-metrics = import_module("01_single_gpu.metrics")
-recompute = import_module("01_single_gpu.recompute")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
-flat_unit = import_module("03_zero.flat_unit")
-zero_mod = import_module("03_zero.zero")
-offload_mod = import_module("03_zero.offload")
-layout_mod = import_module("03_zero.layout")
+import build
+import cli
+import loop
+import memory
+import mixed_precision
+import metrics
+import recompute
+import process_grid
+import comm
+import data_parallel
+import flat_unit
+import zero as zero_mod
+import offload as offload_mod
+import zero_layout as layout_mod
 
 
 def train_step(model, optimizer, micro_batches, zero, offload, grid, args):

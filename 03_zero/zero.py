@@ -13,7 +13,7 @@ owns slice r of every unit: its shard. AdamW (01's, unchanged) steps only the sh
 Memory per rank (Ψ padded elements, e bytes each, AdamW's 2 states): DP eΨ + eΨ + 2eΨ; stage 1
 eΨ + eΨ + 2eΨ/N; stage 2 eΨ + eΨ/N + 2eΨ/N; stage 3 eΨ/N + eΨ/N + 2eΨ/N. Wire bytes per step with A
 micro-batches and B = eΨ: 2·(N−1)/N·B (stage 1, DP's volume), (A+1)·(N−1)/N·B (stage 2),
-3A·(N−1)/N·B (stage 3); layout.py holds the flags and these numbers. Derivation: 03_zero/README.md.
+3A·(N−1)/N·B (stage 3); zero_layout.py holds the flags and these numbers. Derivation: 03_zero/README.md.
 
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
@@ -24,15 +24,14 @@ is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules fo
 """
 import contextlib
 import warnings
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-materialize = import_module("01_single_gpu.materialize")
-memory = import_module("01_single_gpu.memory")
-comm = import_module("02_data_parallel.comm")
-flat_unit = import_module("03_zero.flat_unit")
+import materialize
+import memory
+import comm
+import flat_unit
 
 
 class ZeRO:

@@ -21,12 +21,11 @@ New compared with 01's recompute.py: torch's checkpoint is given the slice as it
 the whole input only for the forward. Shape legend as in tensor_parallel.py (t = tp size).
 """
 import functools
-from importlib import import_module
 
 from torch.utils.checkpoint import checkpoint
 
-recompute = import_module("01_single_gpu.recompute")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+import recompute
+import tensor_parallel
 
 
 def partitioned_checkpoint(layer_forward, tp_group):

@@ -22,7 +22,6 @@ Shape legend (model.py): B batch, T sequence, C hidden, F intermediate, V vocab,
 """
 import functools
 from dataclasses import dataclass
-from importlib import import_module
 from typing import Callable
 
 import torch
@@ -30,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-materialize = import_module("01_single_gpu.materialize")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-comm = import_module("02_data_parallel.comm")
-process_grid = import_module("02_data_parallel.process_grid")
+import materialize
+import mixed_precision
+import comm
+import process_grid
 
 
 # ======================================================================================
@@ -279,7 +278,7 @@ def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
     Every rank built the same full model (same seed or --init-from), so slicing gives exactly the
     dense weights, sharded. Parameter names are unchanged; each rank's state dict holds its shards.
     """
-    vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
+    import vocab_parallel
     config = model.config
     check_tensor_parallel(config, grid.tp_size)
     tp = (grid.tp_rank, grid.tp_size, grid.tp_group)

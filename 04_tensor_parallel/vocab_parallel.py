@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from importlib import import_module
 
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+import tensor_parallel
 
 IGNORE_INDEX = -100
 

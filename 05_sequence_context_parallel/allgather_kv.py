@@ -21,13 +21,12 @@ with the tiles. With GQA (nkv ≪ nh) K/V is small: this is Llama 3's choice.
     torchrun --nproc_per_node 2 05_sequence_context_parallel/train.py --cp 2 --cp-attn allgather
 New compared with context_parallel.py: the same tiles and layouts, the K/V gathered once instead of a ring.
 """
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
+import sequence_parallel
+import context_parallel
 
 
 class LocalQueryAttention(torch.autograd.Function):

@@ -20,14 +20,13 @@ tokens on each rank: their gradients are partial sums, all-reduced over tp befor
 
 New compared with 04: TP's f / f̄ regions swapped for g / ḡ (04's `Regions`), and the norm-gradient sum.
 """
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-comm = import_module("02_data_parallel.comm")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+import mixed_precision
+import comm
+import tensor_parallel
 
 
 def reduce_scatter_along(x, dim, group):

@@ -17,28 +17,31 @@ The ranks form the grid arange(world).view(dp, 1, cp, tp).
 New in the step compared with 04: each rank feeds its tokens of every sequence (CP); SP's norm gradients are
 summed over tp after the cp×dp average. --partition-activations is 04's P_a (with TP, not with SP).
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "04_tensor_parallel"),
+                os.path.join(ROOT, "05_sequence_context_parallel")]
 
 import functools
-import os
-from importlib import import_module
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-partition_activations = import_module("04_tensor_parallel.partition_activations")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-layout_mod = import_module("05_sequence_context_parallel.layout")
+import build
+import cli
+import loop
+import memory
+import metrics
+import mixed_precision
+import process_grid
+import comm
+import data_parallel
+import tensor_parallel
+import partition_activations
+import sequence_parallel
+import context_parallel
+import sequence_context_layout as layout_mod
 
 
 def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):

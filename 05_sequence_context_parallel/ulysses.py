@@ -17,12 +17,11 @@ The zig-zag layout works too: the gathered tokens are put back in sequence order
 
 New compared with context_parallel.py: the same split of the sequence, attended by heads instead of a ring.
 """
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-modeling = import_module("01_single_gpu.model")
+import model as modeling
 
 
 def _all_to_all(x, group):

@@ -12,12 +12,11 @@ ZB's `backward_input` / `backward_weight` run the two halves of a backward (zero
 import contextlib
 import time
 from dataclasses import dataclass
-from importlib import import_module
 
 import torch
 
-pipeline = import_module("06_pipeline.pipeline")
-zero_bubble = import_module("06_pipeline.zero_bubble")
+import pipeline
+import zero_bubble
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,13 @@ gradient norm over all stages and the loss broadcast. The schedules are in sched
 New compared with 02: the model is cut by layers, not replicated; activations travel point to point.
 """
 import math
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-modeling = import_module("01_single_gpu.model")
-process_grid = import_module("02_data_parallel.process_grid")
+import model as modeling
+import process_grid
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")             # two chunks per rank placed V-wise (v_schedules.py)

@@ -22,9 +22,8 @@ clock (the host's on the CPU, CUDA events on a GPU). ZB-H1's B/W split is zero_b
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 New compared with 02: the micro-batch loop of the step becomes one of these orders of passes.
 """
-from importlib import import_module
 
-v_schedules = import_module("06_pipeline.v_schedules")
+import v_schedules
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")        # schedules whose B leaves dW to a W pass
 
 

@@ -23,12 +23,11 @@ this file turns the events of all ranks of one pipeline into
         --timeline 1f1b.png
 New compared with 02: a step is an order of passes on several ranks, so its idle time can be measured.
 """
-from importlib import import_module
 
 import torch.distributed as dist
 
-pipeline = import_module("06_pipeline.pipeline")
-Event = import_module("06_pipeline.passes").Event
+import pipeline
+from passes import Event
 
 
 def theory_bubble(schedule: str, p: int, m: int, chunks: int = 1) -> float:

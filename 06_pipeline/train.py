@@ -15,30 +15,32 @@ and dualpipev, (p−1)/(6m) zb-v (v_schedules.py; --pp-chunks 2, blocks placed V
 New in the step compared with 02: the micro-batch loop is a schedule of F/B(/W) passes with point-to-point
 sends between stages; the norm is summed over the stages and the loss comes from the last stage.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "06_pipeline")]
 
 import functools
-import os
-from importlib import import_module
 
 import torch
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-recompute = import_module("01_single_gpu.recompute")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
-pipeline = import_module("06_pipeline.pipeline")
-passes = import_module("06_pipeline.passes")
-schedules = import_module("06_pipeline.schedules")
-timeline = import_module("06_pipeline.timeline")
+import build
+import cli
+import loop
+import memory
+import metrics
+import mixed_precision
+import recompute
+import process_grid
+import comm
+import data_parallel
+import pipeline
+import passes
+import schedules
+import timeline
 
 
 def train_step(pipe, optimizer, micro_batches, grid, args):

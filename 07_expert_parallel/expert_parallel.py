@@ -25,14 +25,13 @@ New compared with moe.py: the experts are sharded and the rows move; routing and
 Shape legend (moe.py): C hidden, E experts, n rows (token-choices) of this rank, ep group size.
 """
 import functools
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-moe = import_module("07_expert_parallel.moe")
-optim = import_module("01_single_gpu.optim")
-data_parallel = import_module("02_data_parallel.data_parallel")
+import moe
+import optim
+import data_parallel
 
 
 # ======================================================================================

@@ -22,15 +22,14 @@ N = B·T tokens, n rows (token-choices) = N·k.
 """
 import dataclasses
 import math
-from importlib import import_module
 
 import torch
 from torch import nn
 
-global_state = import_module("01_single_gpu.global_state")
-materialize = import_module("01_single_gpu.materialize")
-modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
-routing = import_module("07_expert_parallel.routing")
+import global_state
+import materialize
+import model as modeling                          # 01_single_gpu/model.py
+import routing
 
 
 class Experts(nn.Module):

@@ -16,29 +16,31 @@ New in the step compared with 02: the loss includes α·aux, the experts' gradie
 other ranks than the dense ones (`sync_gradients`), and the norm counts each expert once; with a
 capacity factor the rows dropped are counted per micro-batch and logged at the end.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "07_expert_parallel")]
 
 import functools
-import os
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-recompute = import_module("01_single_gpu.recompute")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-data_parallel = import_module("02_data_parallel.data_parallel")
-moe = import_module("07_expert_parallel.moe")
-expert_parallel = import_module("07_expert_parallel.expert_parallel")
+import build
+import cli
+import loop
+import memory
+import metrics
+import mixed_precision
+import recompute
+import process_grid
+import comm
+import data_parallel
+import moe
+import expert_parallel
 
 
 def train_step(model, optimizer, micro_batches, dense, experts, grid, args, dropped):

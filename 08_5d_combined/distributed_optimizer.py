@@ -29,15 +29,14 @@ New compared with 03: the units are the stages' modules, the schedule says when 
 complete, and the norm follows 04's and 07's rules.
 """
 import contextlib
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-zero = import_module("03_zero.zero")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-moe = import_module("07_expert_parallel.moe")
+import zero
+import tensor_parallel
+import sequence_parallel
+import moe
 
 
 def stage_units(stages):

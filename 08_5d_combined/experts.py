@@ -25,15 +25,14 @@ SumOverRanks' backward sums: 08_5d_combined/README.md.
 New compared with 07: the side loss across stages, the statistics over cp, the norm over stages and tp,
 the rows dropped over capacity counted per chunk and summed over the stages.
 """
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-moe = import_module("07_expert_parallel.moe")
-expert_parallel = import_module("07_expert_parallel.expert_parallel")
+import tensor_parallel
+import moe
+import expert_parallel
 
 
 def check_experts(args):

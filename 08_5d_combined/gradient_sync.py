@@ -21,15 +21,14 @@ New compared with 02: the synchronising backward is each chunk's last of the ste
 micro-batch's; the step calls the same five methods whichever reduction runs.
 """
 import contextlib
-from importlib import import_module
 
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-data_parallel = import_module("02_data_parallel.data_parallel")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-expert_parallel = import_module("07_expert_parallel.expert_parallel")
-experts = import_module("08_5d_combined.experts")
-distributed_optimizer = import_module("08_5d_combined.distributed_optimizer")
+import mixed_precision
+import data_parallel
+import tensor_parallel
+import sequence_parallel
+import expert_parallel
+import experts
+import distributed_optimizer
 
 
 def add_arguments(parser):

@@ -6,10 +6,9 @@ The arithmetic is planner.py's; this file only lays it out.
 
     python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 --pp 2
 """
-from importlib import import_module
 
-planner = import_module("08_5d_combined.planner")
-timeline = import_module("06_pipeline.timeline")
+import planner
+import timeline
 
 
 def print_plan(args, config, layout):

@@ -28,21 +28,27 @@ the states against what the trainer's ranks really hold and send. `--search` cho
 
 New compared with 02-07: their formulas gathered into one plan of any layout, ZeRO-2/3 included.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "03_zero"),
+                os.path.join(ROOT, "04_tensor_parallel"), os.path.join(ROOT, "05_sequence_context_parallel"),
+                os.path.join(ROOT, "06_pipeline"), os.path.join(ROOT, "07_expert_parallel"),
+                os.path.join(ROOT, "08_5d_combined")]
 
 import math
 from dataclasses import dataclass
-from importlib import import_module
 from types import SimpleNamespace
 
-cli = import_module("01_single_gpu.cli")
-memory = import_module("01_single_gpu.memory")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-pipeline = import_module("06_pipeline.pipeline")
-schedules = import_module("06_pipeline.schedules")
-layout_rules = import_module("08_5d_combined.layout")
+import cli
+import memory
+import mixed_precision
+import pipeline
+import schedules
+import layout_5d as layout_rules
 
 # Each --precision is the layout a trainer holds (01's mixed_precision.py, whose table gives the weights,
 # gradients, optimizer bytes per parameter): "mixed" = --dtype bfloat16 --precision-layout bf16-16 (bf16
@@ -254,7 +260,8 @@ def build_parser():
     g.add_argument("--bw-intra", type=float, help="GB/s (bus bandwidth) inside a node")
     g.add_argument("--bw-inter", type=float, help="GB/s (bus bandwidth) across nodes")
     g.add_argument("--gpus-per-node", type=int, default=8)
-    import_module("08_5d_combined.search").add_arguments(p)         # --search: search.py chooses the layout
+    import search                                    # --search: search.py chooses the layout
+    search.add_arguments(p)
     return p
 
 
@@ -274,14 +281,17 @@ def main(argv=None):
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
     if args.search:
-        return import_module("08_5d_combined.search_report").main(args, parser)
-    search, layout = import_module("08_5d_combined.search"), layout_of(args)
+        import search_report
+        return search_report.main(args, parser)
+    import search
+    layout = layout_of(args)
     try:   # the config (--init-from: only its shapes are used), then the trainers' own rules for this world
         config = search.model_config(args)
         search.check_rules(args, config)               # the trainers' degree rules (ZeRO: any stage)
     except ValueError as error:
         parser.error(str(error))
-    return import_module("08_5d_combined.plan_report").print_plan(args, config, layout)
+    import plan_report
+    return plan_report.print_plan(args, config, layout)
 
 
 if __name__ == "__main__":

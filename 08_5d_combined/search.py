@@ -24,14 +24,13 @@ import argparse
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
-from importlib import import_module
 from types import SimpleNamespace
 
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-timeline = import_module("06_pipeline.timeline")
-layout_rules = import_module("08_5d_combined.layout")
-planner = import_module("08_5d_combined.planner")
+import cli
+import data
+import timeline
+import layout_5d as layout_rules
+import planner
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
 New compared with planner.py's table: the reasons, in the words of the rules that chose.
 """
 import math
-from importlib import import_module
 
-cli_checks = import_module("01_single_gpu.cli_checks")
-search = import_module("08_5d_combined.search")
-planner = import_module("08_5d_combined.planner")
+import cli_checks
+import search
+import planner
 
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble")
 RECOMPUTE = ("none", "selective", "full")

@@ -2,7 +2,7 @@
 
 Playbook §2.8 (combining the techniques) and chapter 3 (choosing a layout); Megatron-LM's PTD-P
 (Narayanan et al. 2021); Llama 3's rank order [TP, CP, PP, DP] (playbook §4.1). Nothing new is
-implemented here: layout.py applies the earlier folders' modules to the seeded full 01 model (TP/SP,
+implemented here: layout_5d.py applies the earlier folders' modules to the seeded full 01 model (TP/SP,
 CP, MoE/EP, PP, recompute), and `train_step` below runs their step: the schedule's passes on this rank's
 tokens, the reduction over the cp×dp ranks (02's DP in any --dp-mode or 03's ZeRO-1/2/3, inside the
 schedule's last backward of each chunk where it can: gradient_sync.py), SP's norm sum, the norm over
@@ -20,32 +20,38 @@ first rank of each stage per process group, the bubble of the last step, and wit
 07's rows dropped over capacity, the whole model's (experts.log_dropped). Not composed: experts with --sp.
 New in the step compared with 06: the lines of 02-05 and 07 around its schedule, in device order.
 """
+import os
 import sys
-from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime"),
+                os.path.join(ROOT, "02_data_parallel"), os.path.join(ROOT, "03_zero"),
+                os.path.join(ROOT, "04_tensor_parallel"), os.path.join(ROOT, "05_sequence_context_parallel"),
+                os.path.join(ROOT, "06_pipeline"), os.path.join(ROOT, "07_expert_parallel"),
+                os.path.join(ROOT, "08_5d_combined")]
 
 import functools
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-loop = import_module("01_single_gpu.loop")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-pipeline = import_module("06_pipeline.pipeline")
-passes = import_module("06_pipeline.passes")
-schedules = import_module("06_pipeline.schedules")
-timeline = import_module("06_pipeline.timeline")
-moe = import_module("07_expert_parallel.moe")
-experts = import_module("08_5d_combined.experts")
-gradient_sync = import_module("08_5d_combined.gradient_sync")
-layout = import_module("08_5d_combined.layout")
+import build
+import cli
+import loop
+import memory
+import metrics
+import process_grid
+import comm
+import sequence_parallel
+import pipeline
+import passes
+import schedules
+import timeline
+import moe
+import experts
+import gradient_sync
+import layout_5d as layout
 
 
 def train_step(pipe, optimizer, micro_batches, sync, grid, args):

@@ -21,9 +21,13 @@ Writes kernels/results/<device>.md and <device>.json (device, torch / Triton / C
 --plot also <device>.png: one panel per kernel (% of the measured peak per shape, pass and implementation)
 and one of the fused cross-entropy's peak extra memory.
 """
+import os
 import sys
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu")]
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python kernels/bench.py` from anywhere
 
 import argparse
 import functools
@@ -31,11 +35,10 @@ import json
 import re
 import statistics
 import time
-from importlib import import_module
 
 import torch
 
-bench_plot = import_module("kernels.bench_plot")
+from kernels import bench_plot
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"           # the one place the device is named
 DTYPE = torch.bfloat16
@@ -146,9 +149,10 @@ def gib_text(gib):
 
 
 def run_all(args, timer, peaks, gpu=None):
-    rms, swi, rot = (import_module(f"kernels.{m}") for m in ("rmsnorm", "swiglu", "rope"))
-    flce, fa = import_module("kernels.fused_linear_cross_entropy"), import_module("kernels.flash_attention")
-    modeling = import_module("01_single_gpu.model")
+    from kernels import rmsnorm as rms, swiglu as swi, rope as rot
+    from kernels import fused_linear_cross_entropy as flce
+    from kernels import flash_attention as fa
+    import model as modeling
     rows, memory = [], []
     measure = functools.partial(bench, rows, timer, peaks, gpu=gpu)     # adds one kernel's rows
     take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
@@ -270,7 +274,8 @@ def main(argv=None):
     timer = Timer(args.warmup, args.iters)
     peaks = measure_peaks(timer)
     print(f"peaks: {peaks['matmul_bf16_tflops']:.0f} TFLOP/s bf16 matmul, {peaks['copy_gbps']:.0f} GB/s copy")
-    gpu = import_module("kernels.gpu_timer").GpuTime(timer) if args.gpu_time else None
+    from kernels.gpu_timer import GpuTime
+    gpu = GpuTime(timer) if args.gpu_time else None
     rows, memory = run_all(args, timer, peaks, gpu)
     stem = write_results(meta, peaks, rows, memory)
     if args.plot:

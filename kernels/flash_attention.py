@@ -25,7 +25,6 @@ New compared with 01: replaces `sdpa_attention` as `Attention.attn_fn` (`--attn 
 Shape legend: B batch, nh query heads, nkv key/value heads, T sequence, hd head dim, b bytes per element.
 """
 import math
-from importlib import import_module
 
 import torch
 import triton
@@ -193,7 +192,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         # Imported here: the backward module imports load_tile and LOG2E from this one.
-        backward = import_module("kernels.flash_attention_backward")
+        from kernels import flash_attention_backward as backward
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = backward.attention_backward(q, k, v, o, lse, unit_last_stride(do.to(q.dtype)),
                                                  ctx.causal, ctx.scale, ctx.precision, ctx.blocks)

@@ -17,9 +17,14 @@ kernels/report.py turns the records into DIR/section.md, the README section they
     python kernels/report.py --import-run DIR --write     # back here: keep the run, regenerate the README
     python kernels/gpu_run.py --out DIR --smoke           # CPU, tiny shapes (tests/test_gpu_run.py)
 """
+import os
 import sys
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"),
+                os.path.join(ROOT, "01_single_gpu", "runtime")]
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python kernels/gpu_run.py` from anywhere
 
 import argparse
 import importlib.util
@@ -32,13 +37,12 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib import import_module
 
-report = import_module("kernels.report")
-run_child = import_module("kernels.child_process").run_child
-metrics = import_module("01_single_gpu.metrics")
+from kernels import report
+from kernels.child_process import run_child
+import metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(ROOT)                                    # the repository, as a Path
 STEPS = 10                       # report.WARM_UP_STEPS of them warm up, the rest are timed
 SHAPES = {"llama3-1b": ["--preset", "llama3-1b"],                  # Llama-3.2-1B, vocab 128256, tied
           "1b-v32k": ["--preset", "1b", "--vocab-size", "32000"]}  # TinyLlama-1.1B's shape
@@ -175,7 +179,7 @@ def tests_record(files, status: str, junit: Path) -> dict:
 
 def bench_child(out: Path, smoke: bool):
     """kernels/bench.py with its results written into `out`; --smoke: its CPU code path, tiny shapes."""
-    bench = import_module("kernels.bench")
+    from kernels import bench
     bench.RESULTS = out
     if not smoke:
         return bench.main(BENCH_ARGV)

@@ -18,12 +18,11 @@ then the parallel wrappers.
     TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py     # CPU: same loss and grads as PyTorch
 New compared with 01: the model's eager pieces swapped for this folder's kernels; nothing else changes.
 """
-from importlib import import_module
 
 import torch
 from torch import nn
 
-modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
+import model as modeling                          # 01_single_gpu/model.py
 
 KERNEL_CHOICES = ("torch", "triton")
 ATTN_CHOICES = ("sdpa", "eager", "triton")
@@ -80,16 +79,16 @@ def apply_kernels(model, kernels: str = "torch", attn: str = "sdpa"):
         _check_triton_can_run()
 
     if kernels == "triton":   # imported here: the torch path never loads Triton
-        rmsnorm = import_module("kernels.rmsnorm").rmsnorm
+        from kernels.rmsnorm import rmsnorm
         make_norm = lambda norm: KernelRMSNorm(norm, rmsnorm)  # noqa: E731
-        act_fn = import_module("kernels.swiglu").swiglu
-        rope_fn = import_module("kernels.rope").apply_rotary
-        loss_fn = import_module("kernels.fused_linear_cross_entropy").fused_lm_head_loss
+        from kernels.swiglu import swiglu as act_fn
+        from kernels.rope import apply_rotary as rope_fn
+        from kernels.fused_linear_cross_entropy import fused_lm_head_loss as loss_fn
     else:
         make_norm, act_fn, rope_fn, loss_fn = (_torch_rmsnorm, modeling.silu_mul, modeling.apply_rotary,
                                                modeling.cross_entropy_loss)
     if attn == "triton":
-        attn_fn = import_module("kernels.flash_attention").causal_flash_attention
+        from kernels.flash_attention import causal_flash_attention as attn_fn
     else:
         attn_fn = {"sdpa": modeling.sdpa_attention, "eager": modeling.eager_attention}[attn]
 

@@ -2,7 +2,6 @@ import importlib.util
 import os
 import sys
 import warnings
-from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ def data_cache():
     if importlib.util.find_spec("datasets") is None:
         return
     import common
-    data = import_module("01_single_gpu.data")
+    import data
     data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
 
 

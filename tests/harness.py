@@ -21,7 +21,6 @@ import pickle
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
-from importlib import import_module
 from queue import Empty
 
 import torch.distributed as dist
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 
 import rank_server
 
-free_port = import_module("02_data_parallel.process_grid").free_port
+from process_grid import free_port
 
 _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(rank_server.PRELOAD)   # imported once, by the server (conftest may start it)

@@ -23,7 +23,7 @@ def _status(field):
 
 
 def main(module, argv):
-    trainer, loop = import_module(module), import_module("01_single_gpu.loop")
+    trainer, loop = import_module(module), import_module("loop")
     seen = {}
     inner_run, inner_train = trainer.run, loop.train
 
@@ -31,7 +31,7 @@ def main(module, argv):
         import torch
         torch.empty(1024, 1024).normal_() @ torch.empty(1024, 1024).normal_()   # first use: thread pools,
         with torch.device("meta"):                 # and the meta device's lazily imported kernels (~130 MB)
-            modeling = import_module("01_single_gpu.model")
+            import model as modeling
             modeling.LlamaForCausalLM(modeling.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
                                                            num_hidden_layers=1, num_attention_heads=1,
                                                            num_key_value_heads=1))

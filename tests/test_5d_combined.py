@@ -80,19 +80,19 @@ import common
 from harness import layout_results, run_layouts
 from test_tensor_parallel import LOSS, PARAMS, shard_like
 
-modeling = import_module("01_single_gpu.model")
-memory = import_module("01_single_gpu.memory")
-materialize = import_module("01_single_gpu.materialize")
-recompute = import_module("01_single_gpu.recompute")
-schedules = import_module("06_pipeline.schedules")
-process_grid = import_module("02_data_parallel.process_grid")
-pipeline = import_module("06_pipeline.pipeline")
-timeline = import_module("06_pipeline.timeline")
-cli = import_module("01_single_gpu.cli")
+import model as modeling
+import memory
+import materialize
+import recompute
+import schedules
+import process_grid
+import pipeline
+import timeline
+import cli
 combined = import_module("08_5d_combined.train")
-layout_rules = import_module("08_5d_combined.layout")
-planner = import_module("08_5d_combined.planner")
-experts = import_module("08_5d_combined.experts")
+import layout_5d as layout_rules
+import planner
+import experts
 
 STEPS = 2
 GROUPS = {"tp": {"tp"}, "cp": {"cp"},
@@ -490,9 +490,9 @@ def test_bad_layouts_fail_before_any_process_group(flags, world, message):
 
 def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
     """--init-from a dense checkpoint copies its MLPs into the experts, which TP would already have split."""
-    hf_io = import_module("01_single_gpu.hf_io")
+    import hf_io
     args = cli.parse_args(layout_rules.build_parser("test"), common.argv())
-    build = import_module("01_single_gpu.build")
+    import build
     hf_io.save_hf(build.materialize(build.build_model(args, cli.model_config(args, 257)), args), tmp_path)
     with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
         _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)

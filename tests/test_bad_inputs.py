@@ -220,7 +220,7 @@ NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu"}     # on a GPU machi
 
 # The tools that read checkpoints and the planner: (id, script, whole argv, the fix, env). A tool's line names
 # its own flags: none of them has --resume.
-GENERATE, EXPORT, PLANNER = "01_single_gpu/generate.py", "01_single_gpu/export_hf.py", "08_5d_combined/planner.py"
+GENERATE, EXPORT, PLANNER = "01_single_gpu/runtime/generate.py", "01_single_gpu/runtime/export_hf.py", "08_5d_combined/planner.py"
 TOOL_CASES = [
     ("generate-temperature-nan", GENERATE, ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
      "--temperature (a finite number)", {}),
@@ -272,7 +272,8 @@ def materials(tmp_path_factory):
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    hf_io, modeling = (__import__("importlib").import_module(f"01_single_gpu.{m}") for m in ("hf_io", "model"))
+    import hf_io
+    import model as modeling
     root = tmp_path_factory.mktemp("bad_inputs")
     m = {name: root / name for name in ("missing", "empty", "fresh")}
     m["empty"].mkdir()
@@ -420,7 +421,7 @@ def test_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoint(results, ma
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
     check_one_line(results[FULL_DISK[0]], FULL_DISK[3], SECONDS, status=1)
-    checkpoint = __import__("importlib").import_module("01_single_gpu.checkpoint")
+    import checkpoint
     folder = Path(materials["ckpt_full_disk"])
     assert checkpoint.checkpoint_steps(folder) == [2, 1] and checkpoint.verify(folder / "step_000002")[0] is None
 

@@ -118,13 +118,13 @@ def test_resume_in_another_layout_continues_the_run(tmp_path, reference, case):
 
 def export_and_compare(ckpt, out, model):
     import transformers
-    import_module("01_single_gpu.export_hf").main(["--checkpoint-dir", ckpt, "--out", str(out)])
+    import_module("export_hf").main(["--checkpoint-dir", ckpt, "--out", str(out)])
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
     # generate.py reads the checkpoint (saved by tp2 × dp2) and its export alike: the same greedy tokens
-    generate = import_module("01_single_gpu.generate")
+    import generate
     tokens = [generate.main([*source, "--prompt", "def f(", "--temperature", "0", "--max-new-tokens", "12"])
               for source in (["--checkpoint-dir", ckpt], ["--hf-dir", str(out)])]
     assert tokens[0].shape == (1, 6 + 12) and torch.equal(*tokens)

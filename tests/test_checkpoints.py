@@ -1,4 +1,4 @@
-"""01_single_gpu/checkpoint.py: checkpoints that cannot lie, and resumes that continue the same run.
+"""01_single_gpu/runtime/checkpoint.py: checkpoints that cannot lie, and resumes that continue the same run.
 
 Compared here: the manifest against the files on disk (sizes and sha256, exact); a resume past a corrupt
 or torn newest checkpoint against the uninterrupted run (losses and weights bitwise: the fallback
@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ import torch
 
 import common
 
-checkpoint = import_module("01_single_gpu.checkpoint")
-modeling = import_module("01_single_gpu.model")
+import checkpoint
+import model as modeling
 ROOT = Path(__file__).resolve().parents[1]
 
 

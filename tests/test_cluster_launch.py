@@ -12,7 +12,6 @@ import shlex
 import signal
 import subprocess
 import time
-from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,8 @@ from torch.distributed.run import get_args_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "08_5d_combined" / "train.sbatch"
-cli = import_module("01_single_gpu.cli")
-layout = import_module("08_5d_combined.layout")
+import cli
+import layout_5d as layout
 
 
 def documented_command() -> list:

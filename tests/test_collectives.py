@@ -7,19 +7,18 @@ to 2(N−1)K over the ranks; with N | K that is 2(N−1)K/N per rank (checked wi
 communication meter must see the same bytes for the ring's isends, and the same counts whether
 point-to-point calls are made one by one or batched, and wherever the group is passed.
 """
-from importlib import import_module
 
 import torch
 
 from harness import run_ranks
 
-demo = import_module("02_data_parallel.collectives_demo")
+import collectives_demo as demo
 
 
 def _all_checks_rank(numel):
     """On 4 ranks: the playbook's operations in a group of ranks 0-2, then the ring on all 4."""
     import torch.distributed as dist
-    comm = import_module("02_data_parallel.comm")
+    import comm
     three = dist.new_group([0, 1, 2])                                        # every rank creates it
     results = {}
     if dist.get_rank() < 3:
@@ -74,7 +73,7 @@ def _exchanges_rank(modes):
     an all-reduce in a group passed positionally; with isend/irecv, or batched with P2POps built inside
     the meter (the ring's) and before it (the pair's)."""
     import torch.distributed as dist
-    comm = import_module("02_data_parallel.comm")
+    import comm
     rank, world = dist.get_rank(), dist.get_world_size()
     pair = dist.new_group([0, 1])                                            # every rank creates it
     nxt, prv, other, in_pair = (rank + 1) % world, (rank - 1) % world, 1 - rank, rank < 2

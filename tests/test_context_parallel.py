@@ -25,17 +25,17 @@ import common
 from harness import layout_results, run_layouts, run_ranks, selected
 from test_tensor_parallel import EXACT, _leaf, assert_matches_reference, numbers, shard_like, train_layout
 
-cli = import_module("01_single_gpu.cli")
-modeling = import_module("01_single_gpu.model")
-memory = import_module("01_single_gpu.memory")
-recompute = import_module("01_single_gpu.recompute")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-ulysses = import_module("05_sequence_context_parallel.ulysses")
-allgather_kv = import_module("05_sequence_context_parallel.allgather_kv")
+import cli
+import model as modeling
+import memory
+import recompute
+import process_grid
+import comm
+import tensor_parallel
+import sequence_parallel
+import context_parallel
+import ulysses
+import allgather_kv
 cp_train = import_module("05_sequence_context_parallel.train")
 
 B, T, C, L, V = 2, 16, 32, 2, 64

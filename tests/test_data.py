@@ -1,4 +1,4 @@
-"""01_single_gpu/data.py: what the cache is keyed on, which sources load, and what building costs.
+"""01_single_gpu/runtime/data.py: what the cache is keyed on, which sources load, and what building costs.
 
 Compared here: token windows against the tokens the source must give (exact integers, so no
 tolerance), the cache against a rebuild after each input that changes the tokens (text column,
@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib import import_module
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +19,8 @@ import pytest
 
 import common
 
-data = import_module("01_single_gpu.data")
-sources = import_module("01_single_gpu.sources")
+import data
+import sources
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -155,7 +154,7 @@ BUILD_IN_A_CHILD = textwrap.dedent("""
     import json, resource, sys
     from importlib import import_module
     sys.path.insert(0, sys.argv[1])
-    data = import_module("01_single_gpu.data")
+    import data
     import datasets  # imported before the baseline: the bound is on the build, not on the imports
     tok = data.load_tokenizer(sys.argv[2])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -189,7 +188,7 @@ def test_bpe_build_of_a_large_text_file_has_bounded_memory(tmp_path):
         vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>").save_pretrained(tmp_path / "tok")
     assert len(text) > 5 * 2**20
-    out = subprocess.run([sys.executable, "-c", BUILD_IN_A_CHILD, str(ROOT), str(tmp_path / "tok"),
+    out = subprocess.run([sys.executable, "-c", BUILD_IN_A_CHILD, str(ROOT / "01_single_gpu" / "runtime"), str(tmp_path / "tok"),
                           str(tmp_path / "big.txt"), str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

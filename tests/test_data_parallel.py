@@ -18,7 +18,7 @@ import torch
 import common
 from harness import layout_results, run_layouts, run_ranks
 
-process_grid = import_module("02_data_parallel.process_grid")
+import process_grid
 MODES = ("naive", "overlap", "bucket")
 BUCKET_MB = 0.002   # ~2 KB: the TINY model's 38 gradients fall into many buckets
 
@@ -52,8 +52,8 @@ def test_bad_layout_fails_before_any_process_group(monkeypatch, capsys):
 
 HOLD_A_WORLD_OF_ONE = """
 import sys
-from importlib import import_module
-grid = import_module("02_data_parallel.process_grid").init_distributed("cpu")
+import process_grid
+grid = process_grid.init_distributed("cpu")
 print("initialised a world of", grid.world_size, flush=True)
 sys.stdin.readline()   # hold the process group until the test lets go
 """
@@ -65,7 +65,8 @@ def test_two_plain_runs_at_once_both_initialise():
     not share a rendezvous port."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(str(root / f) for f in ("02_data_parallel", "01_single_gpu/runtime"))
     runs = []
     try:
         for _ in range(2):
@@ -84,7 +85,7 @@ def test_two_plain_runs_at_once_both_initialise():
 
 def _average_gradients_rank():
     import torch.distributed as dist
-    dp = import_module("02_data_parallel.data_parallel")
+    import data_parallel as dp
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     a.grad = torch.full((3,), float(dist.get_rank() + 1))
     dp.average_gradients([a, b], dist.group.WORLD)

@@ -20,7 +20,7 @@ import torch
 import common
 from harness import layout_results, run_layouts
 
-data = import_module("01_single_gpu.data")
+import data
 EVAL = ["--eval-every", 1, "--eval-batches", 2]
 STEPS = 2
 PLOTS = tempfile.mkdtemp(prefix="test_evaluation_")      # ZeRO-3's --plot: every rank's bytes gathered
@@ -110,7 +110,7 @@ def test_bad_evaluation_flags_name_the_fix(capsys, tmp_path, monkeypatch):
 def test_measured_state_counts_storages_once():
     """memory.png's bytes: parameters and gradients by the storages a rank holds (views of one flat buffer,
     as ZeRO's and the DP buckets' are, count once; a freed ZeRO-3 storage counts 0), AdamW's two moments."""
-    memory = import_module("01_single_gpu.memory")
+    import memory
     flat = torch.zeros(10)
     model = torch.nn.Module()
     model.a, model.b = torch.nn.Parameter(flat[:4].view(2, 2)), torch.nn.Parameter(flat[4:])

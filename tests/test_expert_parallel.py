@@ -32,12 +32,12 @@ import torch
 import common
 from harness import layout_results, run_layouts, selected
 
-modeling = import_module("01_single_gpu.model")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-moe = import_module("07_expert_parallel.moe")
-routing = import_module("07_expert_parallel.routing")
-expert_parallel = import_module("07_expert_parallel.expert_parallel")
+import model as modeling
+import process_grid
+import comm
+import moe
+import routing
+import expert_parallel
 train07 = import_module("07_expert_parallel.train")
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -212,7 +212,7 @@ def test_capacity_drops_per_sequence_first_choices_first_and_shared_experts_add(
 
 def test_aux_loss_gradient_survives_full_recompute():
     """The aux loss leaves the checkpointed layer as a side output: the gradients must not change."""
-    recompute = import_module("01_single_gpu.recompute")
+    import recompute
     torch.manual_seed(0)
     models = [modeling.LlamaForCausalLM(LAYER).double() for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -229,7 +229,7 @@ def test_aux_loss_gradient_survives_full_recompute():
 def test_mfu_counts_the_parameters_a_token_uses():
     """MFU's FLOPs per token: 6 per matmul parameter a token passes through (attention, the router,
     k of the E experts, the head; not the embedding lookup) plus 01's attention-score term."""
-    metrics = import_module("01_single_gpu.metrics")
+    import metrics
     model = modeling.LlamaForCausalLM(LAYER)
     moe.apply_moe(model, 4, 2, 0.01, seed=0)
     per_expert = sum(p[0].numel() for p in model.model.layers[0].mlp.experts.parameters())   # one slice each

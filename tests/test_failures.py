@@ -20,10 +20,10 @@ import torch
 
 import common
 
-cli = import_module("01_single_gpu.cli")
-hf_io = import_module("01_single_gpu.hf_io")
-loop = import_module("01_single_gpu.loop")
-modeling = import_module("01_single_gpu.model")
+import cli
+import hf_io
+import loop
+import model as modeling
 train01 = import_module("01_single_gpu.train")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +114,7 @@ def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
 def test_watchdog_ends_a_loop_without_progress(capfd):
     """No beat for 0.3 s: the watchdog prints one line naming the rank and the last step, and exits 1 (here
     into a list instead of os._exit). A loop that beats faster than that is left alone."""
-    watchdog = import_module("01_single_gpu.watchdog")
+    import watchdog
     exits = []
     with watchdog.Watchdog(0.3, rank=1, exit=exits.append, poll_s=0.05) as dog:
         for step in range(8):

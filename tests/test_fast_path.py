@@ -18,10 +18,10 @@ import torch
 import common
 
 ROOT = Path(__file__).resolve().parents[1]
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-modeling = import_module("01_single_gpu.model")
-optim = import_module("01_single_gpu.optim")
+import cli
+import data
+import model as modeling
+import optim
 train = import_module("01_single_gpu.train")
 
 

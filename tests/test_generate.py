@@ -7,14 +7,13 @@ float64 the logits of the three paths agree to ~1e-15, far below the gap between
 likeliest tokens, so equal token ids are a sharp check (a cache off by one position changes them at once).
 Sampling with the same seed draws the same tokens with and without the cache too.
 """
-from importlib import import_module
 
 import pytest
 import torch
 
-generate = import_module("01_single_gpu.generate")
-hf_io = import_module("01_single_gpu.hf_io")
-modeling = import_module("01_single_gpu.model")
+import generate
+import hf_io
+import model as modeling
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,15 @@ import shutil
 import subprocess
 import sys
 import time
-from importlib import import_module
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-gpu_run = import_module("kernels.gpu_run")
-child_process = import_module("kernels.child_process")
-report = import_module("kernels.report")
+from kernels import gpu_run
+from kernels import child_process
+from kernels import report
 
 MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date", "clocks")
 TRAIN_FIELDS = ("vocab_size", "seq_len", "mbs", "grad_acc", "precision_layout", "kernels", "attn", "compile",

@@ -1,4 +1,4 @@
-"""01_single_gpu/hf_io.py and the model's RoPE: Llama 3's rope_theta and the RoPE scalings load both ways.
+"""01_single_gpu/runtime/hf_io.py and the model's RoPE: Llama 3's rope_theta and the RoPE scalings load both ways.
 
 Compared: logits of transformers' `LlamaForCausalLM` and of ours holding the same weights, after a trip
 through a `config.json` + `model.safetensors` directory in each direction, for rope_theta 500000 alone,
@@ -11,13 +11,12 @@ each case also checks that dropping what it tests moves the logits by more than 
 """
 import dataclasses
 import json
-from importlib import import_module
 
 import pytest
 import torch
 
-modeling = import_module("01_single_gpu.model")
-hf_io = import_module("01_single_gpu.hf_io")
+import model as modeling
+import hf_io
 transformers = pytest.importorskip("transformers")
 
 SHAPES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
@@ -131,7 +130,7 @@ def test_other_rope_scalings_are_refused_by_name(tmp_path, kind, layout):
 def test_pipeline_stage_uses_the_scaled_frequencies():
     """06's PipelineStage builds its own cos/sin: one stage holding the whole llama3-scaled model gives the
     model's loss bit for bit (the same operations in the same order), which the unscaled model does not."""
-    pipeline = import_module("06_pipeline.pipeline")
+    import pipeline
     scaling = {k: v for k, v in ROPE["llama3"].items() if k != "rope_theta"}
     config = modeling.LlamaConfig(**SHAPES, rope_theta=500000.0, rope_scaling=scaling)
     full = modeling.LlamaForCausalLM(config).double()

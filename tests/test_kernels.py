@@ -33,19 +33,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"   # Triton reads it when kernels/*.py are imported (at @triton.jit)
 
-from importlib import import_module  # noqa: E402
 
 import pytest  # noqa: E402
 import triton  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-modeling = import_module("01_single_gpu.model")
-rms = import_module("kernels.rmsnorm")
-swi = import_module("kernels.swiglu")
-rot = import_module("kernels.rope")
-flce = import_module("kernels.fused_linear_cross_entropy")
-fa = import_module("kernels.flash_attention")
-patch = import_module("kernels.patch")
+import model as modeling
+from kernels import rmsnorm as rms
+from kernels import swiglu as swi
+from kernels import rope as rot
+from kernels import fused_linear_cross_entropy as flce
+from kernels import flash_attention as fa
+from kernels import patch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -478,7 +477,7 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     the script, not the speed: the numbers go to a temporary directory, never to kernels/results/. On a
     GPU, `python kernels/bench.py` runs the same code with the real timer and shapes."""
     import argparse
-    bench = import_module("kernels.bench")
+    from kernels import bench
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
     monkeypatch.setattr(bench, "DTYPE", torch.float32 if DEVICE == "cpu" else torch.bfloat16)  # SDPA's flash: bf16
     monkeypatch.setattr(bench, "ROW_SHAPES", [(20, 256, 48)])          # hd 128 RoPE needs C ≥ 128
@@ -525,7 +524,8 @@ def test_gpu_time_hides_the_host():
     """gpu_timer.GpuTime on a call whose host side is slow (5 ms of Python before one tiny kernel): the
     event time includes those 5 ms, the GPU time only the kernel's microseconds, and the profiler counts
     one launch. A Triton RMSNorm forward is one launch too."""
-    gpu_timer, bench = import_module("kernels.gpu_timer"), import_module("kernels.bench")
+    from kernels import gpu_timer
+    from kernels import bench
     timer = bench.Timer(warmup=2, iters=5)
     gpu = gpu_timer.GpuTime(timer)
     x = torch.zeros(1024, device=DEVICE)

@@ -26,7 +26,7 @@ LAYOUTS = [("04_tensor_parallel.train", ["--tp", "4", "--dp-mode", "naive"]),
 def _runs(checkpoint_dir):
     results = [train_layout(layout) for layout in LAYOUTS[:2]]
     stages = import_module("08_5d_combined.train").main(common.argv(*LAYOUTS[2][1], steps=3))
-    pipeline = import_module("06_pipeline.pipeline")
+    import pipeline
     records = stages[0]
     results.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
                     {pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages[1].state_dict().items()}))

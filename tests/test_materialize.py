@@ -17,22 +17,20 @@ import json
 import os
 import subprocess
 import sys
-from importlib import import_module
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import common
 
 ROOT = Path(__file__).resolve().parents[1]
-modeling = import_module("01_single_gpu.model")
-global_state = import_module("01_single_gpu.global_state")
-materialize = import_module("01_single_gpu.materialize")
-hf_io = import_module("01_single_gpu.hf_io")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-moe = import_module("07_expert_parallel.moe")
+import model as modeling
+import global_state
+import materialize
+import hf_io
+import tensor_parallel
+import moe
 CONFIG = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=4)
 

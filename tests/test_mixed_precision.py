@@ -18,12 +18,12 @@ import torch
 
 import common
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-memory = import_module("01_single_gpu.memory")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
+import build
+import cli
+import memory
+import mixed_precision
 train = import_module("01_single_gpu.train")
-planner = import_module("08_5d_combined.planner")
+import planner
 
 LAYOUTS = {"autocast": ("bfloat16", "autocast"), "bf16-16": ("bfloat16", "bf16-16"),
            "bf16-20": ("bfloat16", "bf16-20"), "fp32": ("float32", "autocast")}
@@ -88,7 +88,7 @@ def test_bf16_16_gradient_norm_is_taken_in_fp32():
     args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
     model = build.materialize(build.build_model(args, config), args)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
-    sampler = import_module("01_single_gpu.data").GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
+    sampler = import_module("data").GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
     _, norm = train.train_step(model, optimizer, [sampler.micro_batch(0, 0)], args)
     grads = [p.grad for p in model.parameters()]
     assert all(g.dtype == torch.bfloat16 for g in grads) and norm.dtype == torch.float32
@@ -125,7 +125,7 @@ def _layout_states(layout):
     initial = {k: v.float().clone() for k, v in model.state_dict().items()}
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
     report = memory.memory_report(model.parameters(), optimizer, activations=0)
-    data = import_module("01_single_gpu.data")
+    import data
     sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
     train.train_step(model, optimizer, [sampler.micro_batch(0, m) for m in range(2)], args)   # lr 3e-3
     trained = {k: v.float().clone() for k, v in model.state_dict().items()}
@@ -186,10 +186,10 @@ FP16_ZERO_RUNS = {"fp16-zero2": ("fp16", 2), "fp16-zero2-offload": ("fp16", 2, "
 
 def _zero_layout(run):
     """On every rank: 03 at dp 2 under one precision (fp16: step 2 overflows on rank 1), its numbers, and the
-    bytes it holds (offloaded: on the device and on the host) with layout.py's formula for them."""
+    bytes it holds (offloaded: on the device and on the host) with zero_layout.py's formula for them."""
     precision, stage, offload = (*run, "none")[:3]
     import torch.distributed as dist
-    layout_mod = import_module("03_zero.layout")
+    import zero_layout as layout_mod
     dtype, flags = PRECISIONS[precision]
     with overflow_at_step_2(here=precision == "fp16" and dist.get_rank() == 1):
         records, zero, model, optimizer, _, offloaded = import_module("03_zero.train").main(common.argv(
@@ -235,7 +235,7 @@ def test_zero_dp2_of_a_bf16_layout_equals_its_single_device_run(zero_dp2, single
     of two, which commutes with rounding); two addends sum to the same correctly rounded number in any
     order (bf16-16: bf16, in autograd or in the reduce-scatter; bf16-20: fp32); AdamW is elementwise on
     the fp32 masters. --grad-clip 0 because the norms are summed in different orders (the ZeRO tests
-    bound that). The memory held per rank is layout.py's formula for the layout, exactly. Offloaded
+    bound that). The memory held per rank is zero_layout.py's formula for the layout, exactly. Offloaded
     (--offload optimizer): the same fp32 AdamW on the same values, converted by the copies instead of on
     the device, so equal too; the device holds the layout's weights and gradients and no optimizer byte,
     the host the fp32 master, gradient and AdamW states (layout.expected_offload_bytes). --offload param:
@@ -261,7 +261,7 @@ def test_zero_dp2_fp16_with_offload_equals_zero_without_it_and_the_single_device
     final parameters): the gradients are unscaled where ZeRO's shards hold them, before the clip, as without
     offload, and AdamW steps the same fp32 values on host tensors (ZeRO-2 and -3 reduce the same gradients
     in the same reduce-scatters). Against 01 within LOSS_APART and PARAMS_APART, as the data-parallel fp16
-    runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: layout.py's
+    runs below (a rank's fp16 backward of its own rows rounds apart from 01's). Memory: zero_layout.py's
     formula."""
     from harness import layout_results
     ref, plain_runs = single_device_precisions["fp16", ()], layout_results(zero_dp2, "fp16-zero2")
@@ -378,14 +378,14 @@ def _trainer_run(run):
         records, model, *rest = module.main(argv)
     state = (rest[0].grad_sync.full_state_dict(model) if trainer == "08" else model.state_dict())
     if trainer in ("06", "08"):
-        state = {import_module("06_pipeline.pipeline").single_device_name(k): v for k, v in state.items()}
+        state = {import_module("pipeline").single_device_name(k): v for k, v in state.items()}
     return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}),
                 dtype=str(next(model.parameters()).dtype),
                 tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
                 states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
                 gathered=rest[-1][dist.get_rank()]["gathered"] if trainer == "08" else 0,  # ZeRO-3's peak
                 pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None,
-                shard_grads=import_module("01_single_gpu.memory").held_bytes(      # ZeRO-2/3's (U/N,) each
+                shard_grads=import_module("memory").held_bytes(      # ZeRO-2/3's (U/N,) each
                     u.shard_grad for z in getattr(rest[0].grad_sync, "zeros", []) for u in z.units)
                 if trainer == "08" else 0)
 
@@ -411,7 +411,7 @@ def _initial_state(model_flags):
     args, config, _ = cli.setup(trainer.build_parser(), common.argv(*model_flags), lambda *_: None)
     model = build.build_model(args, config)
     if moe:
-        moe_module = import_module("07_expert_parallel.moe")
+        import moe as moe_module
         moe_module.apply_moe(model, args.num_experts, args.top_k, args.aux_loss_coef, args.seed,
                              **moe_module.extras(args))
     return {k: v.detach().float() for k, v in build.materialize(model, args).state_dict().items()}

@@ -26,11 +26,11 @@ import torch
 import common
 from harness import layout_results, run_layouts
 
-pipeline = import_module("06_pipeline.pipeline")
-passes = import_module("06_pipeline.passes")
-schedules = import_module("06_pipeline.schedules")
-timeline = import_module("06_pipeline.timeline")
-v_schedules = import_module("06_pipeline.v_schedules")
+import pipeline
+import passes
+import schedules
+import timeline
+import v_schedules
 STEPS, MBS = 2, 2
 TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
 
@@ -170,9 +170,9 @@ def test_layer_partition_and_stage_modules():
     assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1)] == [[1], [5]]
     assert [list(b) for b in pipeline.layer_blocks(16, 4, 2, 1)] == [[2, 3], [10, 11]]
     assert [list(b) for b in pipeline.layer_blocks(4, 2, 1, 1)] == [[2, 3]]
-    config = import_module("01_single_gpu.model").LlamaConfig(num_hidden_layers=8, hidden_size=32,
+    config = import_module("model").LlamaConfig(num_hidden_layers=8, hidden_size=32,
                                                               intermediate_size=64, vocab_size=64)
-    full = import_module("01_single_gpu.model").LlamaForCausalLM(config)
+    full = import_module("model").LlamaForCausalLM(config)
     names = []
     for rank in range(4):
         stages = pipeline.build_stages(full, rank, 4, chunks=2)

@@ -8,12 +8,11 @@ the published 8,030,261,248 of Llama-3.1-8B, and every config problem against on
 import json
 import subprocess
 import sys
-from importlib import import_module
 from pathlib import Path
 
 import pytest
 
-planner = import_module("08_5d_combined.planner")
+import planner
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 
 # meta-llama/Llama-3.1-8B's config.json as published (the keys the planner or the loader could read).

@@ -15,11 +15,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from importlib import import_module
 
-planner = import_module("08_5d_combined.planner")
-search = import_module("08_5d_combined.search")
-memory = import_module("01_single_gpu.memory")
+import planner
+import search
+import memory
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 SMALL = ["--search", "--preset", "small", "--vocab-size", "32000", "--seq-len", "2048", "--gpus", "16",
          "--gpu", "h100", "--global-batch-tokens", str(64 * 2048), "--gpu-mem", "8"]
@@ -206,7 +205,7 @@ def test_v_schedules_are_searched_with_two_chunks_and_their_formulas():
     only with m ≥ 2·pp micro-batches; its bubble is 06's (p−1)/(6m) for ZB-V once m ≥ 2p − 1 ((p−1)/(3m)
     DualPipeV), its memory the fullest stage's with v_schedules.peak_held micro-batch·chunks of one
     chunk's L/(2p) layers (ZB-V min(2p, 2m, m + 1 + r), DualPipeV 2p + 1), and its step the docstring's sum."""
-    v_schedules = import_module("06_pipeline.v_schedules")
+    import v_schedules
     args, config, cluster, plans, pruned = run_search(SMALL)
     v_plans = [plan for plan in plans if plan.layout.schedule in ("zb-v", "dualpipev")]
     assert {plan.layout.schedule for plan in v_plans} == {"zb-v", "dualpipev"}

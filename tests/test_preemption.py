@@ -1,4 +1,4 @@
-"""Preemptible runs (01_single_gpu/preemption.py and `--resume auto`): a job that is stopped or killed, run
+"""Preemptible runs (01_single_gpu/runtime/preemption.py and `--resume auto`): a job that is stopped or killed, run
 again with the same command, ends as if nothing had happened.
 
 Compared: a run sent SIGUSR1 in the middle of step 2 on one rank only, then the same command again, against
@@ -26,9 +26,9 @@ from safetensors.torch import load_file
 import common
 from harness import layout_results, run_layouts
 
-checkpoint = import_module("01_single_gpu.checkpoint")
-optim = import_module("01_single_gpu.optim")
-preemption = import_module("01_single_gpu.preemption")
+import checkpoint
+import optim
+import preemption
 STEPS, STOP_IN = 4, 2          # the signal arrives in step 2 of 4: the stop saves step 2
 TRAINERS = {"02": ("02_data_parallel.train", ["--dp", 2]),
             "08": ("08_5d_combined.train", ["--dp", 2, "--pp", 2])}

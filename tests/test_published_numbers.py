@@ -9,13 +9,12 @@ against what the papers print; each tolerance is the paper's rounding of the pri
 and a paper differ on purpose the docstring says where and why. Pure arithmetic: no ranks, no tensors.
 """
 import math
-from importlib import import_module
 
 import pytest
 
-planner = import_module("08_5d_combined.planner")
-search = import_module("08_5d_combined.search")
-modeling = import_module("01_single_gpu.model")
+import planner
+import search
+import model as modeling
 
 V, S = 51200, 2048          # Megatron-LM §5.1: GPT-2's vocabulary padded to 51,200; sequences of 2048
 # Megatron-LM Table 1: P (billion), heads, hidden, layers, t, p, GPUs, batch, X (TFLOP/s per GPU), % of peak,

@@ -18,13 +18,13 @@ import torch
 
 import common
 
-modeling = import_module("01_single_gpu.model")
-hf_io = import_module("01_single_gpu.hf_io")
+import model as modeling
+import hf_io
 train = import_module("01_single_gpu.train")
-optim = import_module("01_single_gpu.optim")
-memory = import_module("01_single_gpu.memory")
-recompute = import_module("01_single_gpu.recompute")
-data = import_module("01_single_gpu.data")
+import optim
+import memory
+import recompute
+import data
 
 
 def tiny_config(**kw):
@@ -237,7 +237,7 @@ def test_resume_into_another_model_refuses(tmp_path):
     common.single_device_run("--checkpoint-dir", ckpt, steps=1)
     model = modeling.LlamaForCausalLM(tiny_config())
     with pytest.raises(ValueError, match="holds another model .*hidden_size 32 vs 48"):
-        import_module("01_single_gpu.checkpoint").load_checkpoint(ckpt, model, None, {})
+        import_module("checkpoint").load_checkpoint(ckpt, model, None, {})
 
 
 def test_weight_decay_spares_one_dimensional_parameters():
@@ -355,7 +355,7 @@ def test_cli_help_documents_the_contract():
 
 def test_every_flag_has_help():
     """08's parser holds every trainer's flags (01's core, 02-07's degrees and techniques): none without help."""
-    parser = import_module("08_5d_combined.layout").build_parser("08")
+    parser = import_module("layout_5d").build_parser("08")
     bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert bare == []
 

@@ -25,15 +25,14 @@ from torch import nn
 import common
 from harness import layout_results, run_layouts, run_ranks, selected
 
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-modeling = import_module("01_single_gpu.model")
-hf_io = import_module("01_single_gpu.hf_io")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-memory = import_module("01_single_gpu.memory")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-vocab_parallel = import_module("04_tensor_parallel.vocab_parallel")
+import cli
+import data
+import model as modeling
+import hf_io
+import process_grid
+import comm
+import memory
+import tensor_parallel
 tp_train = import_module("04_tensor_parallel.train")
 
 ROOT = Path(__file__).resolve().parents[1]

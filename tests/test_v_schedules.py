@@ -16,17 +16,16 @@ DualPipeV, with its F&B pairs replayed as units, DeepSeek-V3 Table 2's (PP/2 −
 The peaks (micro-batch·chunks held, W pending included) of a walk through each order: ZB-V 2p (p whole
 stages, 1F1B's rank 0), DualPipeV 2p + 1 (Table 2's PP + 1). test_pipeline.py runs both on real ranks.
 """
-from importlib import import_module
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.pipelining.schedules as pipelining
 
-passes = import_module("06_pipeline.passes")
-schedules = import_module("06_pipeline.schedules")
-timeline = import_module("06_pipeline.timeline")
-v_schedules = import_module("06_pipeline.v_schedules")
+import passes
+import schedules
+import timeline
+import v_schedules
 TORCH_SCHEDULES = {"zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 

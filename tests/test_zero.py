@@ -5,7 +5,7 @@ gradient norms per step, and the final parameters (stage 3 gathers its shards fo
 is the tiny Llama with hidden size 42 and intermediate size 63, so the layer and norm units hold a
 number of elements that 4 does not divide: every stage pads. Then the bytes the meter saw and
 the bytes of parameters, gradients and optimizer states this rank holds are checked, exactly,
-against layout.py's formulas (zero.py's docstring).
+against zero_layout.py's formulas (zero.py's docstring).
 """
 from importlib import import_module
 
@@ -15,9 +15,9 @@ import torch
 import common
 from harness import layout_results, run_layouts, run_ranks
 
-zero_mod = import_module("03_zero.zero")
-flat_unit = import_module("03_zero.flat_unit")
-layout_mod = import_module("03_zero.layout")
+import zero as zero_mod
+import flat_unit
+import zero_layout as layout_mod
 
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
 STAGES = (1, 2, 3)
@@ -333,7 +333,8 @@ def _zero_against_adamw_rank(offload_param=False):
     from types import SimpleNamespace
 
     import torch.distributed as dist
-    modeling, optim = import_module("01_single_gpu.model"), import_module("01_single_gpu.optim")
+    import model as modeling
+    import optim
     torch.manual_seed(0)
     config = modeling.LlamaConfig(vocab_size=64, hidden_size=42, intermediate_size=63, num_hidden_layers=2,
                                   num_attention_heads=3, num_key_value_heads=1)
@@ -344,7 +345,7 @@ def _zero_against_adamw_rank(offload_param=False):
     ids = torch.randint(0, config.vocab_size, (4, 17))
     mine = ids.chunk(dist.get_world_size())[dist.get_rank()]                      # (2, 17)
     if offload_param:
-        zero = import_module("03_zero.offload").ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
+        zero = import_module("offload").ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
     else:
         zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1)

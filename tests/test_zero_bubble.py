@@ -21,7 +21,6 @@ into times on the host clock of the step's start and waits for the device once p
 import contextlib
 import os
 import time
-from importlib import import_module
 
 import pytest
 import torch
@@ -32,16 +31,16 @@ if not torch.cuda.is_available():
 import common
 from harness import layout_results, run_layouts
 
-build = import_module("01_single_gpu.build")
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-process_grid = import_module("02_data_parallel.process_grid")
-comm = import_module("02_data_parallel.comm")
-pipeline = import_module("06_pipeline.pipeline")
-passes = import_module("06_pipeline.passes")
-schedules = import_module("06_pipeline.schedules")
-layout = import_module("08_5d_combined.layout")         # 08's flags, rules and order of transforms
-timeline = import_module("06_pipeline.timeline")
+import build
+import cli
+import data
+import process_grid
+import comm
+import pipeline
+import passes
+import schedules
+import layout_5d as layout                                 # 08's flags, rules and order of transforms
+import timeline
 
 M = 4                                       # micro-batches: rank 0 defers 0, rank 1 defers 1 W (ZB-H1)
 GRADIENTS = dict(rtol=1e-12, atol=1e-15)
@@ -151,7 +150,7 @@ def test_zb_h1_weight_passes_issue_no_communication_under_sp():
 def test_split_linear_under_bf16_autocast_matches_f_linear():
     """fp32 master weight, bf16 autocast on the CPU: the output, dX and the weight's fp32 .grad equal
     F.linear's exactly (the same bf16 matmuls, the same cast of dW), immediate and deferred alike."""
-    zero_bubble = import_module("06_pipeline.zero_bubble")
+    import zero_bubble
     torch.manual_seed(0)
     x0, w0, dy = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(2, 5, 6)
     outcomes = []
@@ -175,7 +174,7 @@ def test_split_linear_under_bf16_autocast_matches_f_linear():
 
 def test_weight_pass_accumulates_into_an_existing_grad_in_place():
     """ZeRO-1 makes .grad a view into a flat buffer: W must add into it, not replace it."""
-    zero_bubble = import_module("06_pipeline.zero_bubble")
+    import zero_bubble
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
     flat = torch.ones(20, dtype=torch.float64)
@@ -197,7 +196,7 @@ def test_gradient_hooks_fire_once_per_real_contribution():
     """08's data parallelism reduces a gradient from its post-accumulate-grad hook: a B that defers dW must
     not run the weight's hooks (autograd runs them even for an input given no gradient, which would
     reduce what earlier Ws accumulated), and W must run them, once per weight, with .grad complete."""
-    zero_bubble = import_module("06_pipeline.zero_bubble")
+    import zero_bubble
     torch.manual_seed(0)
     w, g = torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.ones(4))
     fired = []
@@ -241,7 +240,7 @@ def test_cuda_pass_clock_with_fake_events():
     """A one-stage pipeline (no messages) runs a 1F1B step timed by the CUDA clock: every pass's start
     and end are the step's host time t0 plus the device time elapsed since the reference event (1 s per
     event here), resolved by one wait at the end of the step (and one at its start), never per pass."""
-    modeling = import_module("01_single_gpu.model")
+    import model as modeling
     torch.manual_seed(0)
     config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)

@@ -13,23 +13,22 @@ model, in this order (each needs the previous one's result):
 (1, the kernels, happen in 01's build_model; 6, DP or ZeRO, in the schedule's passes and the step.)
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --grad-acc 4 --mbs 4
-New compared with 05's layout.py: every folder's rules and transforms, in one order.
+New compared with 05's sequence_context_layout.py: every folder's rules and transforms, in one order.
 """
 import contextlib
 import os
-from importlib import import_module
 
-cli = import_module("01_single_gpu.cli")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
-process_grid = import_module("02_data_parallel.process_grid")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-partition_activations = import_module("04_tensor_parallel.partition_activations")
-sequence_layout = import_module("05_sequence_context_parallel.layout")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-pipeline = import_module("06_pipeline.pipeline")
-moe = import_module("07_expert_parallel.moe")
-experts = import_module("08_5d_combined.experts")
-gradient_sync = import_module("08_5d_combined.gradient_sync")
+import cli
+import mixed_precision
+import process_grid
+import tensor_parallel
+import partition_activations
+import sequence_context_layout as sequence_layout
+import context_parallel
+import pipeline
+import moe
+import experts
+import gradient_sync
 
 
 def build_parser(description):

@@ -20,12 +20,11 @@ failure) nor 2 (bad flags), so a launcher can tell a stopped run from a broken o
 import signal
 import sys
 import threading
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-watchdog = import_module("01_single_gpu.watchdog")
+import watchdog
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

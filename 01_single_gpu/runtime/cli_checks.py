@@ -11,7 +11,6 @@ import os
 import shutil
 import sys
 import tempfile
-from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -85,9 +84,12 @@ def check_inputs(args):
     """The files the flags name, without loading them: the outputs can be written, the data source, the
     tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says (with
     `--resume auto`, a folder without any step_* folder means a new run)."""
-    cli, sources, data = (import_module(f"01_single_gpu.{m}") for m in ("cli", "sources", "data"))
-    hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
-    modeling = import_module("01_single_gpu.model")
+    import cli                 # imported here: cli imports this module
+    import sources
+    import data
+    import hf_io
+    import checkpoint
+    import model as modeling
     check_output_file(args.json_log, "--json-log")
     if args.profile:
         check_output_folder(args.profile, "--profile")

@@ -8,29 +8,32 @@ attention costs grow as T². The cache is applied from outside, like every other
 `KVCache` replaces each layer's attention core (`Attention.attn_fn`) and the new token's position goes
 in as `position_ids`, so the training code is untouched.
 
-    python 01_single_gpu/generate.py --checkpoint-dir ckpt --prompt "def main(" --max-new-tokens 200
-    python 01_single_gpu/generate.py --hf-dir path/to/llama --prompt "The capital of France is" --top-k 50
+    python 01_single_gpu/runtime/generate.py --checkpoint-dir ckpt --prompt "def main(" --max-new-tokens 200
+    python 01_single_gpu/runtime/generate.py --hf-dir path/to/llama --prompt "The capital of France is" --top-k 50
 
 A checkpoint is rebuilt from its pieces (export_hf.read_checkpoint, any layout's), and decoded with the
 tokenizer of the run that saved it; an HF directory with its own tokenizer files, else with --tokenizer.
 """
+import os
 import sys
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime")]
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # folders import by dotted name, from anywhere
 
 import contextlib
 import json
 import math
-from importlib import import_module
 
 import torch
 import torch.nn.functional as F
 
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-export_hf = import_module("01_single_gpu.export_hf")
-hf_io = import_module("01_single_gpu.hf_io")
-modeling = import_module("01_single_gpu.model")
+import cli
+import data
+import export_hf
+import hf_io
+import model as modeling
 
 
 class KVCache:

@@ -23,14 +23,13 @@ import io
 import json
 import os
 import tempfile
-from importlib import import_module
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sources = import_module("01_single_gpu.sources")
-DEFAULT_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "data"
+import sources
+DEFAULT_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
 FORMAT_VERSION = 2                 # bump when the code below would turn the same inputs into other windows
 PIECE_CHARS = 2**16                # a text is tokenized in line-aligned pieces of at most this many chars
 TEXT_BYTES_PER_PROC = 4 * 2**20    # one tokenizing process per this much text, up to the cores

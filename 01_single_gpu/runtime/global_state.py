@@ -20,11 +20,10 @@ to write a Hugging Face directory from a checkpoint of any layout.
     torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2 --mbs 4 --checkpoint-dir ckpt --resume --steps 4
 """
 from dataclasses import asdict, dataclass, replace
-from importlib import import_module
 
 import torch
 
-materialize = import_module("01_single_gpu.materialize")
+import materialize
 QUANTITIES = ("value", "exp_avg", "exp_avg_sq")           # a parameter and AdamW's two moments
 
 

@@ -16,12 +16,11 @@ import os
 import sys
 import time
 import uuid
-from importlib import import_module
 
 import torch
 
-checks = import_module("01_single_gpu.cli_checks")
-watchdog = import_module("01_single_gpu.watchdog")
+import cli_checks as checks
+import watchdog
 SHAPE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
 # Each preset: its shape, then the flags it sets when they are not given. --lr: the published peak of a model
 # of that size (TinyLlama 4e-4; Llama 3's 3e-4), since 3e-3 makes a 1B model's loss climb before it falls.
@@ -216,7 +215,7 @@ def setup(parser, argv=None, check_layout=None):
     the fix.
     """
     args = parse_args(parser, argv)
-    data = import_module("01_single_gpu.data")
+    import data
     try:
         tokenizer = data.load_tokenizer(args.tokenizer)
         config = model_config(args, tokenizer.vocab_size)
@@ -237,7 +236,8 @@ def setup(parser, argv=None, check_layout=None):
 
 def model_config(args, tokenizer_vocab: int):
     """The LlamaConfig the flags describe (or the one stored with --init-from)."""
-    model_mod, hf_io = import_module("01_single_gpu.model"), import_module("01_single_gpu.hf_io")
+    import model as model_mod
+    import hf_io
     if args.init_from:
         config = hf_io.config_from_hf(args.init_from, model_mod.LlamaConfig)
     else:

@@ -9,14 +9,12 @@ mixed_precision.py): --dtype bfloat16/float16 run forward and backward under aut
 or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run everything in that type.
 """
 import os
-from importlib import import_module
 
 import torch
 
-data = import_module("01_single_gpu.data")
-materialize_mod = import_module("01_single_gpu.materialize")
-modeling = import_module("01_single_gpu.model")
-mixed_precision = import_module("01_single_gpu.mixed_precision")
+import materialize as materialize_mod
+import model as modeling
+import mixed_precision
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,7 +48,8 @@ def build_model(args, config):
     for name, p in model.named_parameters():
         p.global_name = name         # follows the parameter through every slicing: checkpoints are global
     if (args.kernels, args.attn) != ("torch", "sdpa"):
-        import_module("kernels.patch").apply_kernels(model, args.kernels, args.attn)
+        from kernels import patch        # imported on demand: Triton loads only when asked for
+        patch.apply_kernels(model, args.kernels, args.attn)
     if args.compile:
         compile_layers(model)
     return model

@@ -20,14 +20,13 @@ import json
 import os
 import shutil
 from dataclasses import asdict, dataclass
-from importlib import import_module
 from pathlib import Path
 
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-global_state = import_module("01_single_gpu.global_state")
+import global_state
 
 MANIFEST = "manifest.json"
 FORMAT = 2                      # pieces in global coordinates (global_state.py): any layout resumes any other
@@ -128,7 +127,8 @@ def _abandon(directory, scratch: Path, step: int, problem: str, rank: int):
     The checkpoints saved before it are untouched: nothing is published or pruned before every write."""
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
-    import_module("01_single_gpu.cli").fail(
+    import cli                 # imported here: cli imports this module
+    cli.fail(
         f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass another "
         f"--checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the last one)",
         status=1)

@@ -1,6 +1,6 @@
 """Export a checkpoint of any parallel layout as a Hugging Face Llama directory.
 
-    python 01_single_gpu/export_hf.py --checkpoint-dir ckpt --out hf_model [--step N] [--overwrite]
+    python 01_single_gpu/runtime/export_hf.py --checkpoint-dir ckpt --out hf_model [--step N] [--overwrite]
 
 A checkpoint holds every parameter as pieces in global coordinates (global_state.py: name, TP block,
 ZeRO flat range), whatever layout saved it: dp × tp × pp × cp, ZeRO-1/2/3. This rebuilds each parameter
@@ -8,18 +8,22 @@ from its pieces, one at a time, and writes `config.json` + `model.safetensors` (
 which `transformers.LlamaForCausalLM.from_pretrained` loads with the project's logits. A mixture-of-experts
 checkpoint (07, 08 --num-experts) is not a Llama: it is refused.
 """
+import os
 import sys
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+# Folder names begin with digits, so each folder this one builds on goes on the path and its modules
+# are imported by their plain names: `import model` is 01_single_gpu/model.py.
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime")]
 from pathlib import Path
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere; folders import by dotted name
 
 import json
-from importlib import import_module
 
-checkpoint = import_module("01_single_gpu.checkpoint")
-cli, cli_checks = import_module("01_single_gpu.cli"), import_module("01_single_gpu.cli_checks")
-global_state = import_module("01_single_gpu.global_state")
-hf_io = import_module("01_single_gpu.hf_io")
-modeling = import_module("01_single_gpu.model")
+import checkpoint
+import cli
+import cli_checks
+import global_state
+import hf_io
+import model as modeling
 
 
 def read_checkpoint(checkpoint_dir, step=None):

@@ -15,13 +15,12 @@ SP sums over tp.
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --tp 2 --sp --cp 2
 New compared with 04: the trainer's rules and transforms gathered here, so that 08 applies them alike.
 """
-from importlib import import_module
 
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
-sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
-context_parallel = import_module("05_sequence_context_parallel.context_parallel")
-ulysses = import_module("05_sequence_context_parallel.ulysses")
-allgather_kv = import_module("05_sequence_context_parallel.allgather_kv")
+import tensor_parallel
+import sequence_parallel
+import context_parallel
+import ulysses
+import allgather_kv
 CP_ATTENTION = ("ring", "allgather", "ulysses")
 
 

@@ -23,21 +23,20 @@ evaluates the same batches and logs the same eval loss.
 """
 import contextlib
 import math
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
 
-build = import_module("01_single_gpu.build")
-checkpoint = import_module("01_single_gpu.checkpoint")
-cli = import_module("01_single_gpu.cli")
-data = import_module("01_single_gpu.data")
-memory = import_module("01_single_gpu.memory")
-metrics = import_module("01_single_gpu.metrics")
-optim = import_module("01_single_gpu.optim")
-plots = import_module("01_single_gpu.plots")
-preemption = import_module("01_single_gpu.preemption")
-watchdog = import_module("01_single_gpu.watchdog")
+import build
+import checkpoint
+import cli
+import data
+import memory
+import metrics
+import optim
+import plots
+import preemption
+import watchdog
 
 
 def train(args, train_step, model, optimizer, dataset, flops_per_token: int, grid=None, layout=None,

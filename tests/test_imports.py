@@ -1,0 +1,118 @@
+"""The plain imports between numbered folders: each module loads once, every entry point runs from
+anywhere, and an editor follows the imports to their files.
+
+Folder names begin with digits, so they are not importable names. Each entry point (a train.py, the
+planner, generate/export_hf, the kernel scripts) puts the folders it builds on at the front of
+`sys.path`, and modules import each other by their plain names (`import model`); pytest and pyright get
+the same folders from pyproject.toml. That holds only while no two modules share a name and nothing
+imports a module under a second, dotted name.
+"""
+import ast
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = sorted([p for p in ROOT.glob("0[1-8]_*") if p.is_dir()] + [ROOT / "01_single_gpu" / "runtime"])
+MODULES = {py.stem: py for folder in FOLDERS for py in sorted(folder.glob("*.py")) if py.stem != "train"}
+SOURCES = sorted(py for py in ROOT.rglob("*.py") if not {".git", ".cache"} & set(py.parts))
+ENTRY_POINTS = [py for py in SOURCES if py.parent.name != "tests" and "\nsys.path[:0] = [" in py.read_text()]
+
+
+def imported_names(py: Path) -> set:
+    """The repository modules `py` imports by plain name, and the train.py files it imports by dotted name."""
+    names = set()
+    for node in ast.walk(ast.parse(py.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).endswith(".train")):
+            names.add(node.args[0].value)
+    return names
+
+
+def folders_needed(py: Path, seen=None) -> set:
+    """Every folder whose modules `py` reaches through its imports, transitively."""
+    seen = set() if seen is None else seen
+    folders = set()
+    for name in imported_names(py):
+        target = ROOT / name.split(".")[0] / "train.py" if name.endswith(".train") else MODULES.get(name)
+        if target is None or target in seen:
+            continue
+        seen.add(target)
+        if not name.endswith(".train"):
+            folders.add(target.parent)
+        folders |= folders_needed(target, seen)
+    return folders
+
+
+def bootstrap_folders(py: Path) -> set:
+    """The folders an entry point's `sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), ...]` names."""
+    for node in ast.walk(ast.parse(py.read_text())):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) \
+                and ast.unparse(node.targets[0]) == "sys.path[:0]":
+            return {ROOT.joinpath(*[a.value for a in call.args[1:]]) for call in node.value.elts
+                    if isinstance(call, ast.Call)}
+    raise AssertionError(f"{py}: no `sys.path[:0] = [...]` bootstrap")
+
+
+def test_no_two_modules_share_a_name_or_shadow_an_installed_one():
+    stems = [py.stem for folder in FOLDERS for py in folder.glob("*.py") if py.stem != "train"]
+    twice = sorted({s for s in stems if stems.count(s) > 1})
+    assert not twice, f"modules that share a name (one would hide the other on the path): {twice}; rename one"
+    installed = set(sys.stdlib_module_names) | set(metadata.packages_distributions())
+    shadowing = sorted(set(stems) & installed)
+    assert not shadowing, f"modules named like a standard or installed package: {shadowing}; rename them"
+
+
+def test_no_module_is_imported_under_a_second_dotted_name():
+    """`import_module` of "02_data_parallel.comm" beside `import comm` would load comm.py twice, as two modules
+    with two copies of every class: only the train.py files, which share a name, are imported dotted."""
+    dotted = re.compile(r"""import_module\(f?["']0\d_\w+\.(?!train["'])""")
+    found = [f"{py.relative_to(ROOT)}:{n}" for py in SOURCES
+             for n, line in enumerate(py.read_text().splitlines(), 1) if dotted.search(line)]
+    assert not found, f"dotted imports of a shared module (import it by its plain name instead): {found}"
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_entry_point_puts_the_folders_it_builds_on_on_the_path(entry):
+    """Run from anywhere (`python /elsewhere/04_tensor_parallel/train.py`), an entry point finds every module
+    it reaches, and names no folder it does not need (the list is the lineage a reader sees)."""
+    needed = folders_needed(entry) | ({entry.parent} & set(FOLDERS))
+    listed = bootstrap_folders(entry)
+    missing = sorted(str(f.relative_to(ROOT)) for f in needed - listed)
+    extra = sorted(str(f.relative_to(ROOT)) for f in listed - needed)
+    assert not missing and not extra, (f"{entry.relative_to(ROOT)}'s sys.path bootstrap: add {missing}, "
+                                       f"remove {extra}")
+
+
+def test_an_editor_follows_every_plain_import_of_the_trainers():
+    """jedi (the engine of several editors' go-to-definition) reads the bootstrap's `sys.path[:0]` and must
+    resolve each `module.name` a train.py uses to that module's file in the repository."""
+    jedi = pytest.importorskip("jedi", reason="jedi is pinned in requirements.txt: pip install -r requirements.txt")
+    project = jedi.Project(ROOT)
+    unresolved, resolved = [], 0
+    for trainer in sorted(ROOT.glob("0[1-8]_*/train.py")):
+        source = trainer.read_text()
+        script = jedi.Script(source, path=trainer, project=project)
+        for module in sorted(imported_names(trainer) & set(MODULES)):
+            alias = re.search(rf"^import {module}(?: as (\w+))?\b", source, re.M)
+            if alias is None:
+                continue
+            use = re.compile(rf"\b{alias.group(1) or module}\.(\w+)")
+            after = source[:alias.start()].count("\n") + 1      # the first use after the import
+            line_no, column = next((n, m.end() - len(m.group(1)))
+                                   for n, line in enumerate(source.splitlines(), 1)
+                                   if n > after and not line.lstrip().startswith(("#", "import"))
+                                   for m in [use.search(line)] if m)
+            found = script.goto(line_no, column, follow_imports=True)
+            if any(d.module_path is not None and Path(d.module_path) == MODULES[module] for d in found):
+                resolved += 1
+            else:
+                unresolved.append(f"{trainer.relative_to(ROOT)}:{line_no} {module}")
+    assert resolved > 40 and not unresolved, f"go-to-definition failed at {unresolved} ({resolved} resolved)"
