@@ -90,3 +90,31 @@ def test_one_thought_a_line():
     found = [f"{path.relative_to(ROOT)}:{line}: #{text}" for path in files
              for line, text in continued_comments(path.read_text())]
     assert not found, "\n".join(found)
+
+
+LESSON_LINES = 200
+
+
+def test_readmes_are_a_lesson_then_a_reference():
+    """Each folder README (01-08, kernels/) opens with its lesson: what is new, the derivation, a run and the
+    exercises, within LESSON_LINES lines. Worked outputs, test tables, measured tables and errata follow
+    under a `## Reference` heading. The top README stays within LESSON_LINES lines in all."""
+    readmes = sorted(ROOT.glob("[0-9][0-9]_*/README.md")) + [ROOT / "kernels" / "README.md"]
+    assert len(readmes) == 9                                 # 01-08 and kernels/
+    problems = []
+    for path in readmes:
+        lines = path.read_text().splitlines()
+        name = path.relative_to(ROOT)
+        if "## Reference" not in lines:
+            problems.append(f"{name}: no `## Reference` heading; put the worked outputs, test tables, "
+                            f"measured tables and errata under one, after the lesson")
+            continue
+        lesson = lines.index("## Reference")
+        if lesson > LESSON_LINES:
+            problems.append(f"{name}: the lesson (the lines before `## Reference`) is {lesson} lines, more than "
+                            f"{LESSON_LINES}; move worked outputs, measured tables or detail below `## Reference`")
+    top = len((ROOT / "README.md").read_text().splitlines())
+    if top > LESSON_LINES:
+        problems.append(f"README.md: {top} lines, more than {LESSON_LINES}; move detail into the folders' "
+                        f"READMEs, below their `## Reference` headings")
+    assert not problems, "\n".join(problems)
