@@ -84,7 +84,7 @@ def test_one_thought_a_line():
     assert continued_comments("x = 1  # Σ over tp:\ny = 2  #   every rank skips\n") == [(1, "Σ over tp:")]
     assert continued_comments("x = 1  # the same on\ny = 2  # rank\n") == [(1, "the same on")]
     assert continued_comments("x = 1  # (bf16-20: a\ny = 2  # b)\n") == [(1, "(bf16-20: a")]
-    assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the holders\n") == []
+    assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the grad owners\n") == []
     files = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
     assert len(files) > 40
     found = [f"{path.relative_to(ROOT)}:{line}: #{text}" for path in files
