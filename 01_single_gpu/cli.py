@@ -183,21 +183,11 @@ def parse_args(parser, argv=None, files: bool = True):
     files match their checksums) and exits 0 if that one already reached --steps. `files=False` checks the
     values only (08's planner, which reads no data and only the shapes of --init-from's config.json).
     """
-    args = parser.parse_args(argv)
-    explicit_kv_heads = args.num_kv_heads is not None
-    for name, value in {"tie_embeddings": False, **PRESETS[args.preset]}.items():
-        if name not in ROPE and getattr(args, name) is None:
-            setattr(args, name, value)
-    args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
+    given = parser.parse_args(argv)
     try:
-        checks.check_values(args)
-        if args.num_kv_heads > args.num_heads and explicit_kv_heads:
-            raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
-                             f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
-        if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
-            args.num_kv_heads = args.num_heads
+        args = completed(given)
         if files:
-            checks.check_inputs(args)
+            args = with_values(args, **checks.check_inputs(args))
     except ValueError as error:
         parser.error(str(error))
     if args.resume and args.resume_step >= args.steps:
@@ -205,6 +195,27 @@ def parse_args(parser, argv=None, files: bool = True):
                f"pass a larger --steps to train on")
         sys.exit(0)
     return args
+
+
+def completed(given: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags, checked, with what they leave open filled in: the preset's sizes, this run's id."""
+    preset = {name: value for name, value in {"tie_embeddings": False, **PRESETS[given.preset]}.items()
+              if name not in ROPE and getattr(given, name) is None}
+    # rank 0's run id is the one its manifests record; --resume takes the checkpoint's
+    args = with_values(given, **preset, run_id=uuid.uuid4().hex[:12], resume_step=0)
+    checks.check_values(args)
+    if args.num_kv_heads > args.num_heads and given.num_kv_heads is not None:
+        raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
+                         f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
+    # a preset's kv heads with fewer explicit heads: one per query head
+    kv_heads = min(args.num_kv_heads, args.num_heads)
+    # no held-out split: training reads the whole dataset (--resume compares it)
+    return with_values(args, num_kv_heads=kv_heads, eval_batches=args.eval_batches if args.eval_every else 0)
+
+
+def with_values(args: argparse.Namespace, **values) -> argparse.Namespace:
+    """A new namespace: `args` with `values` (parse_args builds the flags once; nothing writes into them)."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def setup(parser, argv=None, check_layout=None):

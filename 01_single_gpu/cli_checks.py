@@ -48,8 +48,6 @@ def check_values(args):
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
     if args.eval_batches < 1:
         raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
-    if not args.eval_every:   # no held-out split: training reads the whole dataset (--resume compares it)
-        args.eval_batches = 0
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
@@ -81,10 +79,11 @@ def check_triton(kernels: str, attn: str):
                          f"(Triton's interpreter, slow: for tests), or pass --kernels torch --attn sdpa")
 
 
-def check_inputs(args):
+def check_inputs(args) -> dict:
     """The files the flags name, without loading them: the outputs can be written, the data source, the
     tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says (with
-    `--resume auto`, a folder without any step_* folder means a new run)."""
+    `--resume auto`, a folder without any step_* folder means a new run). Returns what the checkpoint
+    decides: the flags' values that --resume sets (`checkpoint_choice`)."""
     cli, sources, data = (import_module(f"01_single_gpu.{m}") for m in ("cli", "sources", "data"))
     hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
     modeling = import_module("01_single_gpu.model")
@@ -111,20 +110,29 @@ def check_inputs(args):
     sources.check_tokenizer(args.tokenizer)
     if args.init_from:
         hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)
-    if args.checkpoint_dir:
-        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
-        if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
-            cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
-            args.resume = None
-        if args.resume:
-            world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
-            resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
-            args.resume_step, args.run_id = resumed.step, resumed.run_id
-            for step, problem in resumed.skipped:
-                cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
-                           f"resuming from step {resumed.step}", file=sys.stderr)
-        else:
-            checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+    if not args.checkpoint_dir:
+        return {}
+    check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+    return checkpoint_choice(args)
+
+
+def checkpoint_choice(args) -> dict:
+    """--resume: the step, run id and schedule length of the checkpoint to continue; --resume auto in a
+    folder without checkpoints: a new run (resume None); no --resume: a folder it may write into."""
+    cli, checkpoint = import_module("01_single_gpu.cli"), import_module("01_single_gpu.checkpoint")
+    if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
+        cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
+        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        return {"resume": None}
+    if not args.resume:
+        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        return {}
+    world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
+    resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+    for step, problem in resumed.skipped:
+        cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
+                   f"resuming from step {resumed.step}", file=sys.stderr)
+    return {"resume_step": resumed.step, "run_id": resumed.run_id, "lr_decay_steps": resumed.lr_decay_steps}
 
 
 def global_batch_of(args) -> int:
