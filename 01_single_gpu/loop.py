@@ -83,7 +83,7 @@ class Run:
         dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
         self.sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
         self.eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
-        self.lr_decay_steps = args.lr_decay_steps or args.steps     # optim.lr_at's; saved with checkpoints
+        self.lr_decay_steps = args.lr_decay_steps or args.steps     # optim.lr_at's; checkpoints record it
 
     def batches(self, of, step: int) -> list:
         """This rank's grad_acc × (x, y), (mbs, T) each, of global batch `step` of the sampler `of`."""
@@ -193,8 +193,9 @@ def report(run: Run, log, start: int, profiler, activation_peak: int):
     """After the last step: where the profile went, the plots of --plot, the final loss."""
     args = run.args
     if profiler and run.is_logging_rank:
-        print(f"profile: a trace of steps {start + 3}-{min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)} in "
-              f"{args.profile} (open it in ui.perfetto.dev or TensorBoard)")
+        last = min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)
+        print(f"profile: a trace of steps {start + 3}-{last} in {args.profile} (open it in ui.perfetto.dev "
+              f"or TensorBoard)")
     if args.plot and start < args.steps:
         mine = memory.measured_state(run.model, run.optimizer, activation_peak)          # this rank's bytes
         everyone = gather_to_all(mine, run.world_size) if run.several else [mine]
@@ -231,5 +232,6 @@ def stop_nonfinite(step: int, loss: float, grad_norm, skipping: bool):
     Every rank sees the same global loss and norm, so all stop together, before the step's checkpoint."""
     why = ("its gradients were finite (the norm overflowed), so the step could not be skipped" if skipping
            else "--on-nonfinite stop")
-    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). Lower "
-             f"--lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip", status=1)
+    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). "
+             f"Lower --lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip",
+             status=1)
