@@ -128,7 +128,7 @@ class MixedPrecisionOptimizer:
 
         zero_grad()                         .grad dropped; bf16-20's fp32 accumulators zeroed
         scale(micro_loss).backward()        × S under fp16 (bf16-20: hooks add each .grad into fp32, zero it)
-        holders = unscale_gradients()       ÷ S; the tensors whose .grad is the step's gradient (to clip)
+        grad_owners = unscale_gradients()   ÷ S; the tensors whose .grad is the step's gradient (to clip)
         step(grad_norm)                     AdamW on the fp32 masters, copied back rounded; an fp16 overflow
                                             (a non-finite norm: every rank sees the same) skips it
     Everything else (param_groups, state, hooks) is AdamW's, so checkpoints store the fp32 masters.
@@ -160,11 +160,11 @@ class MixedPrecisionOptimizer:
         return getattr(self.__dict__["optimizer"], name)
 
     @property
-    def holders(self):
+    def grad_owners(self):
         """The tensors whose .grad is the step's gradient: the masters of bf16-20's accumulators, else params."""
         return self.masters if self.hooked else self.params
 
-    def holders_of(self, params):
+    def grad_owners_of(self, params):
         """The tensor whose .grad holds each of `params`' step gradient: the parameter itself, or under
         bf16-20 its fp32 master, whose .grad is the accumulator. Later folders reduce these over dp, tp, ep
         and the stages (the fp32 buffer, the playbook's 20-byte layout); a master carries its parameter's
@@ -190,17 +190,17 @@ class MixedPrecisionOptimizer:
         return loss * self.scaler.scale if self.scaler else loss
 
     @torch.no_grad()
-    def unscale_gradients(self, holders=None):
+    def unscale_gradients(self, grad_owners=None):
         """÷ S (fp16) in place; returns the tensors whose .grad to clip (the trainer's norm is the overflow
-        check: inf or NaN anywhere makes it non-finite). `holders`: those tensors, if not the optimizer's
-        (03's --offload optimizer: ZeRO's device shards, whose gradients reach the host masters after the
-        clip)."""
-        holders = self.holders if holders is None else holders
+        check: inf or NaN anywhere makes it non-finite). `grad_owners`: those tensors, if not the
+        optimizer's (03's --offload optimizer: ZeRO's device shards, whose gradients reach the host masters
+        after the clip)."""
+        grad_owners = self.grad_owners if grad_owners is None else grad_owners
         if self.scaler:
-            for p in holders:
+            for p in grad_owners:
                 if p.grad is not None:
                     p.grad.mul_(1.0 / self.scaler.scale)
-        return holders
+        return grad_owners
 
     @torch.no_grad()
     def step(self, grad_norm=None):

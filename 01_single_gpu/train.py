@@ -46,8 +46,8 @@ def train_step(model, optimizer, micro_batches, args):
             # the gradients accumulate in .grad (bf16-20: in fp32 buffers); fp16: backward of S·loss
             optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
-    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
-    grad_norm = optim.clip_grad_norm(holders, args.grad_clip)   # summed in fp32 (bf16-16 too)
+    grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
+    grad_norm = optim.clip_grad_norm(grad_owners, args.grad_clip)  # summed in fp32 (bf16-16 too)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return float(loss), grad_norm
 

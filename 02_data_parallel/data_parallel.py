@@ -61,9 +61,9 @@ class DataParallel:
     before backward ended.
     """
 
-    def __init__(self, params, group, holders=None):
+    def __init__(self, params, group, grad_owners=None):
         self.sources = [p for p in params if p.requires_grad]      # whose backward fires the hooks
-        self.params = self.sources if holders is None else list(holders)   # whose .grad is averaged
+        self.params = self.sources if grad_owners is None else list(grad_owners)  # whose .grad is averaged
         self.group, self.size = group, dist.get_world_size(group)
         self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
         self.events, self.step_events = [], []
@@ -90,8 +90,8 @@ class DataParallel:
 # overlap: an async all-reduce per parameter, launched from its gradient hook
 # ======================================================================================
 class OverlapDataParallel(DataParallel):
-    def __init__(self, params, group, holders=None):
-        super().__init__(params, group, holders)
+    def __init__(self, params, group, grad_owners=None):
+        super().__init__(params, group, grad_owners)
         self.pending = []                           # (work handle, param) in launch order
         for i, (source, p) in enumerate(zip(self.sources, self.params)):
             source.register_post_accumulate_grad_hook(lambda _, p=p, i=i: self._grad_ready(p, i))
@@ -150,9 +150,9 @@ def make_buckets(params, bucket_bytes):
 
 
 class BucketDataParallel(DataParallel):
-    def __init__(self, params, group, bucket_mb: float, holders=None):
-        super().__init__(params, group, holders)
-        self.buckets = make_buckets(self.params, bucket_mb * 2**20)     # in the holders' dtype
+    def __init__(self, params, group, bucket_mb: float, grad_owners=None):
+        super().__init__(params, group, grad_owners)
+        self.buckets = make_buckets(self.params, bucket_mb * 2**20)  # in the grad owners' dtype
         self.launched = 0
         for bucket in self.buckets:
             for j, i in enumerate(bucket.indices):
@@ -218,15 +218,16 @@ def check_data_parallel(bucket_mb: float):
         raise ValueError(f"--bucket-mb must be positive (a finite number), got {bucket_mb}")
 
 
-def wrap(params, group, mode: str, bucket_mb: float = 25.0, holders=None) -> DataParallel:
-    """The DataParallel object over `params` for --dp-mode naive | overlap | bucket. `holders`: the tensors
-    whose .grad is each parameter's step gradient, when not the parameter itself (01's bf16-20: the fp32
-    masters, `MixedPrecisionOptimizer.holders_of`); the hooks still fire on the parameters' backward, after
-    the optimizer's (registered first), which have added the micro-batch's bf16 .grad into fp32."""
+def wrap(params, group, mode: str, bucket_mb: float = 25.0, grad_owners=None) -> DataParallel:
+    """The DataParallel object over `params` for --dp-mode naive | overlap | bucket. `grad_owners`: the
+    tensors whose .grad is each parameter's step gradient, when not the parameter itself (01's bf16-20: the
+    fp32 masters, `MixedPrecisionOptimizer.grad_owners_of`); the hooks still fire on the parameters'
+    backward, after the optimizer's (registered first), which have added the micro-batch's bf16 .grad into
+    fp32."""
     if mode == "naive":
-        return DataParallel(params, group, holders)
+        return DataParallel(params, group, grad_owners)
     if mode == "overlap":
-        return OverlapDataParallel(params, group, holders)
+        return OverlapDataParallel(params, group, grad_owners)
     if mode == "bucket":
-        return BucketDataParallel(params, group, bucket_mb, holders)
+        return BucketDataParallel(params, group, bucket_mb, grad_owners)
     raise ValueError(f"--dp-mode {mode!r}: choose naive, overlap or bucket")

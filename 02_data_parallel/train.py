@@ -49,9 +49,9 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
                 optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
-    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
     # the norm of the all-reduced gradients: the same on every rank, so are fp16's skipped steps
-    grad_norm = optim.clip_grad_norm(holders, args.grad_clip)   # summed in fp32 (bf16-16 too)
+    grad_norm = optim.clip_grad_norm(grad_owners, args.grad_clip)  # summed in fp32 (bf16-16 too)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
@@ -81,7 +81,7 @@ def run(args, config, dataset, grid):
     recompute.apply_recompute(model, args.recompute)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
-                             holders=optimizer.holders_of(model.parameters()))   # bf16-20: fp32 reduced
+                             grad_owners=optimizer.grad_owners_of(model.parameters()))  # bf16-20: fp32
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)

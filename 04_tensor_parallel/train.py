@@ -50,10 +50,10 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
                 optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
-    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
-    tensor_parallel.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
+    grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
+    tensor_parallel.all_reduce_kv_replica_gradients(grad_owners)  # tp > kv heads: Σ over a head's copies
     # ‖g‖² summed over the tp shards: the same on every rank, so are fp16's skipped steps
-    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)
+    grad_norm = tensor_parallel.clip_grad_norm_tp(grad_owners, args.grad_clip, grid.tp_group)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
@@ -89,7 +89,7 @@ def run(args, config, dataset, grid):
     partition_activations.apply_recompute(model, args.recompute, args.partition_activations, grid.tp_group)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)  # hooks before DP's
     ddp = data_parallel.wrap(model.parameters(), grid.dp_group, args.dp_mode, args.bucket_mb,
-                             holders=optimizer.holders_of(model.parameters()))
+                             grad_owners=optimizer.grad_owners_of(model.parameters()))
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute,

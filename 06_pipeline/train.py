@@ -49,11 +49,11 @@ def train_step(pipe, optimizer, micro_batches, grid, args):
     with build.autocast(args, micro_batches[0][0].device):
         # F, B (, W) of every micro-batch in the schedule's order; p2p between the stages inside
         loss = schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
-    holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
+    grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
     if grid.dp_size > 1:
-        data_parallel.average_gradients(holders, grid.dp_group)   # mean over the dp pipelines
+        data_parallel.average_gradients(grad_owners, grid.dp_group)  # mean over the dp pipelines
     # ‖g‖² summed over the stages: the same on every rank, so are fp16's skipped steps
-    grad_norm = pipeline.clip_grad_norm_pp(holders, args.grad_clip, grid.pp_group)
+    grad_norm = pipeline.clip_grad_norm_pp(grad_owners, args.grad_clip, grid.pp_group)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
                                    grid.pp_group, grid.dp_group, grid.dp_size), grad_norm

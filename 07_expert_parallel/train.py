@@ -55,7 +55,7 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
             # EP: the all-to-alls' backward sends the gradients home
             optimizer.scale(micro_loss).backward()
             loss += micro_loss.detach()
-    optimizer.unscale_gradients()                               # fp16: ÷ S; `dense`, `experts`: the holders
+    optimizer.unscale_gradients()                               # fp16: ÷ S; `dense`, `experts`: grad owners
     # dense: the mean over dp; experts: Σ over expert_dp, / dp
     expert_parallel.sync_gradients(dense, experts, grid)
     # the experts' ‖g‖² summed over ep, each expert once: the same on every rank, so are fp16's skipped steps
@@ -106,7 +106,7 @@ def run(args, config, dataset, grid):
     build.materialize(model, args)                          # then they, and the dense weights, get values
     recompute.apply_recompute(model, args.recompute)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # AdamW on fp32 masters
-    dense, experts = map(optimizer.holders_of, moe.split_parameters(model))  # whose .grad the step reduces
+    dense, experts = map(optimizer.grad_owners_of, moe.split_parameters(model))  # whose .grad is reduced
     if grid.rank == 0:
         activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
                                                        build.activation_element_bytes(args), args.recompute)

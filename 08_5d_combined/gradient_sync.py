@@ -57,13 +57,15 @@ class DataParallelSync:
     """--zero-stage 0: 02's DataParallel over the dense parameters, 07's rule for the experts."""
 
     def __init__(self, dense, expert_params, grid, mode: str, bucket_mb: float, norm_weights=(),
-                 holders_of=list):
-        """`holders_of`: each parameter's gradient holder (01's bf16-20: its fp32 master, whose .grad is
-        the accumulator; the optimizer's hooks, registered before DP's, have filled it)."""
-        self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb, holders=holders_of(dense))
+                 grad_owners_of=list):
+        """`grad_owners_of`: the tensors whose .grad is each parameter's step gradient (01's bf16-20: its
+        fp32 master, whose .grad is the accumulator; the optimizer's hooks, registered before DP's, filled
+        it)."""
+        self.ddp = data_parallel.wrap(dense, grid.cp_dp_group, mode, bucket_mb,
+                                      grad_owners=grad_owners_of(dense))
         self.params = dense + expert_params
-        self.dense, self.expert_params = holders_of(dense), holders_of(expert_params)
-        self.grid, self.norm_weights = grid, holders_of(norm_weights)
+        self.dense, self.expert_params = grad_owners_of(dense), grad_owners_of(expert_params)
+        self.grid, self.norm_weights = grid, grad_owners_of(norm_weights)
 
     @property
     def events(self):                    # 02's of the last step: ("grad", i), ("launch", k), ("finish", None)
@@ -124,7 +126,7 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
         return sync, mixed_precision.MixedPrecisionOptimizer(sync.shards, args, hooks=False)
     optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,
-                            optimizer.holders_of), optimizer
+                            optimizer.grad_owners_of), optimizer
 
 
 def tp_kv_replicas(args) -> int:

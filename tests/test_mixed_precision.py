@@ -51,8 +51,8 @@ def test_fp16_overflow_step_changes_nothing_and_halves_the_scale():
         optimizer.scale(layer(torch.ones(2, 4)).sum()).backward()
         if overflow:
             layer.weight.grad[0, 0] = float("inf")
-        holders = optimizer.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"))
+        grad_owners = optimizer.unscale_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(grad_owners, float("inf"))
         before = ([p.clone() for p in layer.parameters()],
                   [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()])
         scale = optimizer.scaler.scale

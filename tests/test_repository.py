@@ -6,6 +6,7 @@ to the digest's item numbers or to line numbers of its copies of the papers fail
 place. Errata are cited by number (E6, ...) and every number cited must be explained in the README.
 Also the comment rule a reader relies on: no trailing comment continues onto the next code line.
 """
+import ast
 import io
 import re
 import subprocess
@@ -84,7 +85,7 @@ def test_one_thought_a_line():
     assert continued_comments("x = 1  # Σ over tp:\ny = 2  #   every rank skips\n") == [(1, "Σ over tp:")]
     assert continued_comments("x = 1  # the same on\ny = 2  # rank\n") == [(1, "the same on")]
     assert continued_comments("x = 1  # (bf16-20: a\ny = 2  # b)\n") == [(1, "(bf16-20: a")]
-    assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the holders\n") == []
+    assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the grad owners\n") == []
     files = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
     assert len(files) > 40
     found = [f"{path.relative_to(ROOT)}:{line}: #{text}" for path in files
@@ -118,3 +119,64 @@ def test_readmes_are_a_lesson_then_a_reference():
         problems.append(f"README.md: {top} lines, more than {LESSON_LINES}; move detail into the folders' "
                         f"READMEs, below their `## Reference` headings")
     assert not problems, "\n".join(problems)
+
+
+def long_functions(source: str, limit: int = 40) -> list:
+    """(name, lines) of each function or method of `source` longer than `limit` lines (docstring included)."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_the_loop_reads_as_short_phases():
+    """loop.train is the order of its phases, and each phase fits on a screen: no function of loop.py
+    is longer than 40 lines."""
+    assert long_functions("def f():\n" + "    x = 1\n" * 40) == [("f", 41)]
+    assert long_functions("def f():\n" + "    x = 1\n" * 39) == []
+    loop = next(ROOT.glob("01_single_gpu/**/loop.py"))
+    found = [f"{loop.relative_to(ROOT)}: {name} is {lines} lines"
+             for name, lines in long_functions(loop.read_text())]
+    fix = "\nsplit it into named phases of at most 40 lines each (one function a phase, called in order)"
+    assert not found, "\n".join(found) + fix
+
+
+def writes_into_args(source: str) -> list:
+    """Line numbers where `source` assigns to an attribute of `args` (`args.x = ...`, `args.x += ...`,
+    `args.x, y = ...`, `setattr(args, ...)`, `vars(args)[...] = ...`)."""
+    def is_args(node):
+        return isinstance(node, ast.Name) and node.id == "args"
+
+    def writes(target):
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(writes(t) for t in target.elts)
+        if isinstance(target, ast.Starred):
+            return writes(target.value)
+        if isinstance(target, ast.Attribute):
+            return is_args(target.value)
+        return (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Call)
+                and getattr(target.value.func, "id", None) == "vars" and any(map(is_args, target.value.args)))
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        called = (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+                  and node.args and is_args(node.args[0]))
+        if called or any(map(writes, targets)):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_no_trainer_writes_into_its_flags():
+    """The flags are what the user passed, completed once by cli.parse_args into a new namespace: no
+    NN_*/*.py assigns to an attribute of `args` (a derived value is a local, a return value or a field of
+    a small object, such as loop.Run.lr_decay_steps)."""
+    sample = "args.a = 1\nargs.b += 1\nx, args.c = 1, 2\nsetattr(args, 'd', 1)\nvars(args)['e'] = 1\n"
+    assert writes_into_args(sample) == [1, 2, 3, 4, 5]
+    assert writes_into_args("a = args.a\nother.a = 1\nargs = argparse.Namespace(**vars(args))\n") == []
+    files = sorted(ROOT.glob("[0-9][0-9]_*/**/*.py"))
+    assert len(files) > 40
+    found = [f"{path.relative_to(ROOT)}:{line}" for path in files
+             for line in writes_into_args(path.read_text())]
+    fix = ("\nthese lines write into the flags: keep the derived value in a local, return it, or give it a "
+           "field of a small object (where parsing completes the flags, cli.with_values makes a new one)")
+    assert not found, "\n".join(found) + fix

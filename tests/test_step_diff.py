@@ -32,7 +32,8 @@ def test_lines_a_step_shares_with_its_parent_keep_the_parents_comment():
 def test_the_command_prints_the_code_only_diff(capsys):
     step_diff.main(["04"])
     out = capsys.readouterr().out.splitlines()
-    assert "+    grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)" in out
+    assert ("+    grad_norm = tensor_parallel.clip_grad_norm_tp(grad_owners, args.grad_clip, "
+            "grid.tp_group)") in out
     assert "     optimizer.step(grad_norm)" in out                     # context: the whole step
     assert not any("#" in line for line in out)                      # code only
     step_diff.main(["--counts"])

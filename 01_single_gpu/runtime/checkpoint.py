@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -208,6 +208,7 @@ class Resume:
     step: int           # the checkpoint to continue from
     run_id: str         # the run that saved it (this run keeps the id)
     skipped: list       # (step, problem) of the newer checkpoints that are unusable
+    lr_decay_steps: int | None = None   # the schedule's length the resumed run keeps (check_resume)
 
 
 def newest_usable(directory, reader: bool = False) -> Resume:
@@ -236,16 +237,16 @@ def newest_usable(directory, reader: bool = False) -> Resume:
 def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:
     """The checkpoint --resume continues from, after checking that this run is the run that saved it: the
     same flags but FREE_FLAGS (the layout may change) and the same global batch. An unset --lr-decay-steps
-    takes the checkpoint's schedule length (so --steps may grow). Raises a ValueError naming the flag."""
+    takes the checkpoint's schedule length (so --steps may grow): the returned `lr_decay_steps`. Raises a
+    ValueError naming the flag."""
     resume = newest_usable(directory)
     where = f"{directory}/step_{resume.step:06d}"
     manifest = json.loads((Path(where) / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"--resume: {where} was written by an older checkpoint.py: start a new run (--overwrite)")
-    saved, mine = dict(manifest["args"]), vars(args)
+    saved = dict(manifest["args"])
     saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
-    if args.lr_decay_steps is None:
-        args.lr_decay_steps = saved["lr_decay_steps"]
+    mine = {**vars(args), "lr_decay_steps": args.lr_decay_steps or saved["lr_decay_steps"]}
     for name in sorted(mine.keys() & saved.keys() - FREE_FLAGS):
         if mine[name] != saved[name]:
             raise ValueError(f"--resume: --{name.replace('_', '-')} {mine[name]} differs from the checkpoint's "
@@ -261,7 +262,7 @@ def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:
         raise ValueError(f"--resume: a global batch of {global_batch} sequences differs from the checkpoint's "
                          f"{manifest['global_batch']} (dp·mbs·grad_acc) (in {where}): resume with the "
                          f"checkpoint's, or start a new run in another --checkpoint-dir")
-    return resume
+    return replace(resume, lr_decay_steps=mine["lr_decay_steps"])
 
 
 def check_new_run(directory, overwrite: bool):

@@ -80,98 +80,131 @@ def print0(*args, **kwargs):
 
 
 def core_parser(description: str) -> argparse.ArgumentParser:
-    p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model (a Llama; explicit sizes override the preset)")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+    """The flags of every trainer, one argument group each (--help shows them under these headings)."""
+    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_flags(parser.add_argument_group("model (a Llama; explicit sizes override the preset)"))
+    schedule_flags(parser.add_argument_group("batch and schedule"))
+    speed_flags(parser.add_argument_group("device, precision and speed"))
+    data_flags(parser.add_argument_group("data and held-out evaluation"))
+    observability_flags(parser.add_argument_group("logging and observability"))
+    checkpoint_flags(parser.add_argument_group("checkpoints"))
+    failure_flags(parser.add_argument_group("failures"))
+    return parser
+
+
+def model_flags(g):
+    g.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="the model's shape; tiny: h 128, L 4, small: h 512, L 8, 1b: TinyLlama-1.1B's")
-    m.add_argument("--hidden-size", type=int, help="h, the model width (default: the preset's)")
-    m.add_argument("--intermediate-size", type=int, help="the SwiGLU MLP's inner width (default: the preset's)")
-    m.add_argument("--num-layers", type=int, help="L, transformer blocks (default: the preset's)")
-    m.add_argument("--num-heads", type=int, help="query heads; head_dim = h / heads (default: the preset's)")
-    m.add_argument("--num-kv-heads", type=int,
+    g.add_argument("--hidden-size", type=int, help="h, the model width (default: the preset's)")
+    g.add_argument("--intermediate-size", type=int,
+                   help="the SwiGLU MLP's inner width (default: the preset's)")
+    g.add_argument("--num-layers", type=int, help="L, transformer blocks (default: the preset's)")
+    g.add_argument("--num-heads", type=int, help="query heads; head_dim = h / heads (default: the preset's)")
+    g.add_argument("--num-kv-heads", type=int,
                    help="key/value heads, at most --num-heads and dividing it (GQA; default: the preset's)")
-    m.add_argument("--vocab-size", type=int, default=None,
+    g.add_argument("--vocab-size", type=int, default=None,
                    help="default: the preset's (1b 32000, llama3-1b 128256), else the tokenizer's vocabulary "
                         "rounded up to a multiple of 64 (divisible by tp)")
-    m.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="the output layer shares the embedding's weight (default: the preset's, llama3-1b ties)")
-    m.add_argument("--init-from", metavar="HF_DIR", help="start from HF-format weights (config.json + safetensors)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output layer shares the embedding's weight (default: the preset's, llama3-1b "
+                        "ties)")
+    g.add_argument("--init-from", metavar="HF_DIR",
+                   help="start from HF-format weights (config.json + safetensors)")
 
-    t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    t.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    t.add_argument("--mbs", type=int, default=8, help="micro-batch size (sequences per rank per micro-batch)")
-    t.add_argument("--grad-acc", type=int, default=1, help="micro-batches per optimizer step")
-    t.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: the preset's: tiny, small 3e-3, 1b 4e-4, llama3-1b 3e-4)")
-    t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
-    t.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up to --lr over these steps")
-    t.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
-                   help="length of the warmup + cosine schedule (default: --steps); saved with checkpoints, so "
-                        "--resume with a larger --steps keeps it (the extra steps run at lr·min-lr-ratio)")
-    t.add_argument("--weight-decay", type=float, default=0.1,
+
+def schedule_flags(g):
+    g.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    g.add_argument("--mbs", type=int, default=8, help="micro-batch size (sequences per rank per micro-batch)")
+    g.add_argument("--grad-acc", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: the preset's: tiny, small 3e-3, 1b 4e-4, llama3-1b "
+                        "3e-4)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr·ratio")
+    g.add_argument("--warmup-steps", type=int, default=10, help="linear warm-up to --lr over these steps")
+    g.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                   help="length of the warmup + cosine schedule (default: --steps); saved with checkpoints, "
+                        "so --resume with a larger --steps keeps it (the extra steps run at lr·min-lr-ratio)")
+    g.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW's decoupled decay of the matrices and embeddings; norm gains are not decayed")
-    t.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    t.add_argument("--seed", type=int, default=1234, help="the initialisation and the data order")
-    t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float32/float64: the whole model in that type; bfloat16/float16: autocast (float16 with "
-                        "loss scaling); see --precision-layout where the trainer has it")
-    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    g.add_argument("--seed", type=int, default=1234, help="the initialisation and the data order")
+
+
+def speed_flags(g):
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="float32/float64: the whole model in that type; bfloat16/float16: autocast (float16 "
+                        "with loss scaling); see --precision-layout where the trainer has it")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: one GPU per rank (LOCAL_RANK's), NCCL; cpu: gloo")
-    t.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation: selective recomputes only the attention core (Megatron)")
-    t.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+    g.add_argument("--kernels", choices=["torch", "triton"], default="torch",
                    help="RMSNorm, SwiGLU, RoPE and the loss in eager PyTorch or as Triton kernels (kernels/)")
-    t.add_argument("--attn", choices=["sdpa", "eager", "triton"], default="sdpa",
+    g.add_argument("--attn", choices=["sdpa", "eager", "triton"], default="sdpa",
                    help="attention core: PyTorch SDPA, written-out softmax, or kernels/flash_attention.py")
-    t.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer (build.py; on the CPU inductor needs a C++ compiler)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (build.py; on the CPU inductor needs a C++ "
+                        "compiler)")
 
-    d = p.add_argument_group("data")
-    d.add_argument("--dataset", default="stdlib",
-                   help="'stdlib' (offline default: Python's own sources), 'synthetic' (uniform random token ids "
-                        "of the model's vocabulary, seeded by --seed: for speed runs), a local .txt/.md/.py or "
-                        ".jsonl/.json/.parquet file or folder, or an HF hub dataset name (needs the network)")
-    d.add_argument("--text-column", default="text", help="the column of .jsonl/.json/.parquet/hub records to read")
-    d.add_argument("--tokenizer", default="bytes", help="'bytes' (offline default) or an HF tokenizer dir/name")
 
-    o = p.add_argument_group("logging and checkpoints")
-    o.add_argument("--json-log", metavar="PATH", help="one JSON object per optimizer step (rank 0 writes)")
-    o.add_argument("--log-every", type=int, default=1, help="print every N-th step (--json-log has every step)")
-    o.add_argument("--no-progress", action="store_true", help="no tqdm bar (one log line per step instead)")
-    o.add_argument("--peak-tflops", type=float, default=None,
-                   help="device peak for MFU and HFU; default: known GPUs (H100/H200 989, A100 312), none on CPU")
-    o.add_argument("--profile", metavar="DIR",
-                   help="torch.profiler trace of steps 3-5 (wait 1, warm up 1, record 3) into DIR, one file per "
-                        "rank, for Perfetto or TensorBoard")
-    o.add_argument("--eval-every", type=int, default=0, metavar="N",
+def data_flags(g):
+    g.add_argument("--dataset", default="stdlib",
+                   help="'stdlib' (offline default: Python's own sources), 'synthetic' (uniform random token "
+                        "ids of the model's vocabulary, seeded by --seed: for speed runs), a local "
+                        ".txt/.md/.py or .jsonl/.json/.parquet file or folder, or an HF hub dataset name "
+                        "(needs the network)")
+    g.add_argument("--text-column", default="text",
+                   help="the column of .jsonl/.json/.parquet/hub records to read")
+    g.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (offline default) or an HF tokenizer dir/name")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="every N steps and after the last, the loss on held-out data (0: no held-out split)")
-    o.add_argument("--eval-batches", type=int, default=2, metavar="K",
+    g.add_argument("--eval-batches", type=int, default=2, metavar="K",
                    help="global batches held out for evaluation: the data's last K·dp·mbs·grad_acc windows")
-    o.add_argument("--plot", metavar="DIR", help="at the end, loss.png (train and eval loss) and memory.png "
-                                                 "(model states and activations per rank) in DIR")
-    o.add_argument("--tensorboard", metavar="DIR",
-                   help="TensorBoard event files in DIR (pip install tensorboard)")
-    o.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (see --checkpoint-every)")
-    o.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="save every N steps (0: only at the end)")
-    o.add_argument("--keep-last", type=int, default=0, metavar="N",
-                   help="keep only the newest N checkpoints (0: keep all; a corrupt newest one falls back to older)")
-    o.add_argument("--resume", nargs="?", const="latest", choices=["latest", "auto"], metavar="auto",
-                   help="continue from the newest usable checkpoint in --checkpoint-dir (refused where there is "
-                        "none); --resume auto: the same, or a new run where none was saved yet, so a requeued "
-                        "job's command works every time")
-    o.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints (they are "
-                        "removed once this run has saved its first one)")
 
-    f = p.add_argument_group("failures")
-    f.add_argument("--timeout-s", type=float, default=watchdog.DEFAULT_TIMEOUT_S, metavar="S",
-                   help="a collective, or a training step, that waits longer than this ends every rank "
-                        "(a stalled or dead peer, a deadlock)")
-    f.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
+
+def observability_flags(g):
+    g.add_argument("--json-log", metavar="PATH", help="one JSON object per optimizer step (rank 0 writes)")
+    g.add_argument("--log-every", type=int, default=1,
+                   help="print every N-th step (--json-log has every step)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bar (one log line per step instead)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="device peak for MFU and HFU; default: known GPUs (H100/H200 989, A100 312), none on "
+                        "CPU")
+    g.add_argument("--profile", metavar="DIR",
+                   help="torch.profiler trace of steps 3-5 (wait 1, warm up 1, record 3) into DIR, one file "
+                        "per rank, for Perfetto or TensorBoard")
+    g.add_argument("--plot", metavar="DIR",
+                   help="at the end, loss.png (train and eval loss) and memory.png (model states and "
+                        "activations per rank) in DIR")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="TensorBoard event files in DIR (pip install tensorboard)")
+
+
+def checkpoint_flags(g):
+    g.add_argument("--checkpoint-dir", metavar="DIR", help="save checkpoints here (see --checkpoint-every)")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save every N steps (0: only at the end)")
+    g.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="keep only the newest N checkpoints (0: keep all; a corrupt newest one falls back to "
+                        "older)")
+    g.add_argument("--resume", nargs="?", const="latest", choices=["latest", "auto"], metavar="auto",
+                   help="continue from the newest usable checkpoint in --checkpoint-dir (refused where there "
+                        "is none); --resume auto: the same, or a new run where none was saved yet, so a "
+                        "requeued job's command works every time")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --checkpoint-dir that holds another run's checkpoints (they "
+                        "are removed once this run has saved its first one)")
+
+
+def failure_flags(g):
+    g.add_argument("--timeout-s", type=float, default=watchdog.DEFAULT_TIMEOUT_S, metavar="S",
+                   help="a collective, or a training step, that waits longer than this ends every rank (a "
+                        "stalled or dead peer, a deadlock)")
+    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient norm stops the run, or skips the step (no parameter or "
                         "optimizer-state update)")
-    return p
 
 
 def parse_args(parser, argv=None, files: bool = True):
@@ -182,21 +215,11 @@ def parse_args(parser, argv=None, files: bool = True):
     files match their checksums) and exits 0 if that one already reached --steps. `files=False` checks the
     values only (08's planner, which reads no data and only the shapes of --init-from's config.json).
     """
-    args = parser.parse_args(argv)
-    explicit_kv_heads = args.num_kv_heads is not None
-    for name, value in {"tie_embeddings": False, **PRESETS[args.preset]}.items():
-        if name not in ROPE and getattr(args, name) is None:
-            setattr(args, name, value)
-    args.run_id, args.resume_step = uuid.uuid4().hex[:12], 0   # rank 0's id is the one its manifests record
+    given = parser.parse_args(argv)
     try:
-        checks.check_values(args)
-        if args.num_kv_heads > args.num_heads and explicit_kv_heads:
-            raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
-                             f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
-        if args.num_kv_heads > args.num_heads:  # a preset's kv heads with fewer explicit heads
-            args.num_kv_heads = args.num_heads
+        args = completed(given)
         if files:
-            checks.check_inputs(args)
+            args = with_values(args, **checks.check_inputs(args))
     except ValueError as error:
         parser.error(str(error))
     if args.resume and args.resume_step >= args.steps:
@@ -204,6 +227,27 @@ def parse_args(parser, argv=None, files: bool = True):
                f"pass a larger --steps to train on")
         sys.exit(0)
     return args
+
+
+def completed(given: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags, checked, with what they leave open filled in: the preset's sizes, this run's id."""
+    preset = {name: value for name, value in {"tie_embeddings": False, **PRESETS[given.preset]}.items()
+              if name not in ROPE and getattr(given, name) is None}
+    # rank 0's run id is the one its manifests record; --resume takes the checkpoint's
+    args = with_values(given, **preset, run_id=uuid.uuid4().hex[:12], resume_step=0)
+    checks.check_values(args)
+    if args.num_kv_heads > args.num_heads and given.num_kv_heads is not None:
+        raise ValueError(f"--num-kv-heads {args.num_kv_heads} is more than --num-heads {args.num_heads}: "
+                         f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
+    # a preset's kv heads with fewer explicit heads: one per query head
+    kv_heads = min(args.num_kv_heads, args.num_heads)
+    # no held-out split: training reads the whole dataset (--resume compares it)
+    return with_values(args, num_kv_heads=kv_heads, eval_batches=args.eval_batches if args.eval_every else 0)
+
+
+def with_values(args: argparse.Namespace, **values) -> argparse.Namespace:
+    """A new namespace: `args` with `values` (parse_args builds the flags once; nothing writes into them)."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def setup(parser, argv=None, check_layout=None):

@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+import data
+import hf_io
+import model as modeling
+import sources
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -47,8 +52,6 @@ def check_values(args):
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
     if args.eval_batches < 1:
         raise ValueError(f"--eval-batches must be at least 1, got {args.eval_batches}")
-    if not args.eval_every:   # no held-out split: training reads the whole dataset (--resume compares it)
-        args.eval_batches = 0
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run saved in --checkpoint-dir, --overwrite starts a new run "
                          "there: pass one of them")
@@ -80,16 +83,11 @@ def check_triton(kernels: str, attn: str):
                          f"(Triton's interpreter, slow: for tests), or pass --kernels torch --attn sdpa")
 
 
-def check_inputs(args):
+def check_inputs(args) -> dict:
     """The files the flags name, without loading them: the outputs can be written, the data source, the
     tokenizer and --init-from exist and look right, and --checkpoint-dir holds what --resume says (with
-    `--resume auto`, a folder without any step_* folder means a new run)."""
-    import cli                 # imported here: cli imports this module
-    import sources
-    import data
-    import hf_io
-    import checkpoint
-    import model as modeling
+    `--resume auto`, a folder without any step_* folder means a new run). Returns what the checkpoint
+    decides: the flags' values that --resume sets (`checkpoint_choice`)."""
     check_output_file(args.json_log, "--json-log")
     if args.profile:
         check_output_folder(args.profile, "--profile")
@@ -113,20 +111,30 @@ def check_inputs(args):
     sources.check_tokenizer(args.tokenizer)
     if args.init_from:
         hf_io.check_hf_dir(args.init_from, modeling.LlamaConfig, modeling.LlamaForCausalLM)
-    if args.checkpoint_dir:
-        check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
-        if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
-            cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
-            args.resume = None
-        if args.resume:
-            world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
-            resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
-            args.resume_step, args.run_id = resumed.step, resumed.run_id
-            for step, problem in resumed.skipped:
-                cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
-                           f"resuming from step {resumed.step}", file=sys.stderr)
-        else:
-            checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+    if not args.checkpoint_dir:
+        return {}
+    check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
+    return checkpoint_choice(args)
+
+
+def checkpoint_choice(args) -> dict:
+    """--resume: the step, run id and schedule length of the checkpoint to continue; --resume auto in a
+    folder without checkpoints: a new run (resume None); no --resume: a folder it may write into."""
+    import cli                 # imported here: cli imports this module
+    import checkpoint
+    if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
+        cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
+        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        return {"resume": None}
+    if not args.resume:
+        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        return {}
+    world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
+    resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+    for step, problem in resumed.skipped:
+        cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
+                   f"resuming from step {resumed.step}", file=sys.stderr)
+    return {"resume_step": resumed.step, "run_id": resumed.run_id, "lr_decay_steps": resumed.lr_decay_steps}
 
 
 def global_batch_of(args) -> int:

@@ -1,5 +1,8 @@
 """The loop every trainer runs around its own `train_step` (plumbing, not a technique).
 
+`train` calls its phases in order: `Run` (this rank's place and batches), `resume`, `step_log`, `run_steps`
+(each step: `one_step`, then `save_if_due`), `report`. What they do:
+
     for step in range(start, --steps):
         set the learning rate                                   optim.lr_at
         this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
@@ -23,6 +26,7 @@ evaluates the same batches and logs the same eval loss.
 """
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,96 +53,156 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     is the model's (MFU); --recompute's extra forward is added here (HFU).
     `eval_step(micro_batches) -> global mean loss` runs forward only (--eval-every). Returns the records.
     """
-    device = build.device_of(args)
-    dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
-    is_logging_rank = grid is None or grid.rank == 0
-    layout = layout or {}
-    global_batch = args.mbs * args.grad_acc * dp_size
-    dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
-    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
-    eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
+    run = Run(args, model, optimizer, dataset, grid, layout or {}, eval_step)
+    start = resume(run)
+    log = step_log(run, start, flops_per_token)
+    guard = optim.SkipNonFinite(optimizer, run.device) if args.on_nonfinite == "skip" else None
+    profiler = metrics.profiler(args.profile, run.device, run.rank)
+    ended = run_steps(run, train_step, start, log, guard, profiler)
+    if guard:
+        guard.remove()
+    log.close()
+    if ended.stopped_by:
+        preemption.leave(ended.stopped_by, ended.step, args.checkpoint_dir, run.is_logging_rank)
+    report(run, log, start, profiler, ended.activation_peak)
+    return log.records
 
-    def batches(of, step):   # this rank's grad_acc × (x, y), (mbs, T) each, of global batch `step`
-        return [tuple(t.to(device) for t in of.micro_batch(step, m, dp_rank)) for m in range(args.grad_acc)]
 
-    def evaluate():          # the mean over the held-out global batches, the same in every layout
-        return sum(eval_step(batches(eval_sampler, k)) for k in range(args.eval_batches)) / args.eval_batches
-    start = 0
-    if args.resume:   # the same run: same data, batch and schedule (the length of a fresh one is --steps)
-        start = checkpoint.load_checkpoint(args.checkpoint_dir, model, optimizer, layout, args.resume_step)
-        if hasattr(optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters
-            optimizer.copy_masters_to_weights()
-    args.lr_decay_steps = args.lr_decay_steps or args.steps
-    tokens_per_step = sampler.global_batch * args.seq_len
-    config = next(m.config for m in model.modules() if hasattr(m, "config"))    # a pipeline stage's too
+class Run:
+    """What the phases of `train` share: the flags, the model and optimizer, this rank's place in the grid,
+    its training and held-out batches, and the schedule's length (--lr-decay-steps, default --steps)."""
+
+    def __init__(self, args, model, optimizer, dataset, grid, layout: dict, eval_step):
+        self.args, self.model, self.optimizer, self.layout = args, model, optimizer, layout
+        self.eval_step, self.device = eval_step, build.device_of(args)
+        self.rank, self.world_size = (grid.rank, grid.world_size) if grid else (0, 1)
+        self.dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
+        self.is_logging_rank, self.several = self.rank == 0, self.world_size > 1
+        global_batch = args.mbs * args.grad_acc * dp_size
+        dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
+        self.sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
+        self.eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
+        self.lr_decay_steps = args.lr_decay_steps or args.steps     # optim.lr_at's; checkpoints record it
+
+    def batches(self, of, step: int) -> list:
+        """This rank's grad_acc × (x, y), (mbs, T) each, of global batch `step` of the sampler `of`."""
+        return [tuple(t.to(self.device) for t in of.micro_batch(step, m, self.dp_rank))
+                for m in range(self.args.grad_acc)]
+
+    def evaluate(self) -> float:
+        """The mean loss over the held-out global batches, the same in every layout."""
+        count = self.args.eval_batches
+        return sum(self.eval_step(self.batches(self.eval_sampler, k)) for k in range(count)) / count
+
+
+@dataclass
+class Ended:
+    step: int                 # the optimizer steps done
+    stopped_by: int           # the signal that stopped the run before --steps, else 0 (preemption.py)
+    activation_peak: int      # bytes autograd saved for backward in the run's first step (0: no step ran)
+
+
+def resume(run: Run) -> int:
+    """--resume: the checkpoint `cli.parse_args` chose, into the model and optimizer; returns its step
+    (else 0). It is the same run: same data, batch and schedule (the length of a fresh one is --steps)."""
+    if not run.args.resume:
+        return 0
+    start = checkpoint.load_checkpoint(run.args.checkpoint_dir, run.model, run.optimizer, run.layout,
+                                       run.args.resume_step)
+    if hasattr(run.optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters
+        run.optimizer.copy_masters_to_weights()
+    return start
+
+
+def step_log(run: Run, start: int, flops_per_token: int):
+    """The per-step log (metrics.StepLog), with the tokens and FLOPs of one step for tok/s, MFU and HFU."""
+    args = run.args
+    tokens_per_step = run.sampler.global_batch * args.seq_len
+    config = next(m.config for m in run.model.modules() if hasattr(m, "config"))    # a pipeline stage's too
     hardware_flops_per_token = metrics.hardware_flops_per_token(flops_per_token, config, args.seq_len,
                                                                 args.recompute)   # + what recompute reruns
-    log = metrics.StepLog(args, start, tokens_per_step, flops_per_token * tokens_per_step,
-                          grid.world_size if grid else 1, device, is_logging_rank,
-                          hardware_flops_per_token * tokens_per_step)
-    params = [p for p in model.parameters() if p.requires_grad]
-    guard = optim.SkipNonFinite(optimizer, device) if args.on_nonfinite == "skip" else None
-    several = grid is not None and grid.world_size > 1
-    activation_peak = 0
-    profiler = metrics.profiler(args.profile, device, grid.rank if grid else 0)
-    stopped_by = 0                       # the signal that stopped the run before --steps (preemption.py)
-    with watchdog.Watchdog(args.timeout_s, grid.rank) if several else contextlib.nullcontext() as dog, \
-            profiler or contextlib.nullcontext(), preemption.StopRequest(device, several) as stop:
+    return metrics.StepLog(args, start, tokens_per_step, flops_per_token * tokens_per_step, run.world_size,
+                           run.device, run.is_logging_rank, hardware_flops_per_token * tokens_per_step)
+
+
+def run_steps(run: Run, train_step, start: int, log, guard, profiler) -> Ended:
+    """Steps start..--steps under the watchdog (several ranks), the profiler and the stop request: each
+    trains and logs (`one_step`), checkpoints when due, and the run ends early on an agreed signal."""
+    args, stopped_by, activation_peak, step = run.args, 0, 0, start - 1
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    with watchdog.Watchdog(args.timeout_s, run.rank) if run.several else contextlib.nullcontext() as dog, \
+            profiler or contextlib.nullcontext(), preemption.StopRequest(run.device, run.several) as stop:
         for step in range(start, args.steps):
-            log.start_step()
-            lr = optim.lr_at(step, args)
-            optim.set_lr(optimizer, lr)
-            micro_batches = batches(sampler, step)                   # grad_acc × (x, y), (mbs, T) each
             # The run's first step follows what autograd saves for backward: its peak is the measured
             # activation memory (the setup table shows Korthikanti's estimate).
             meter = memory.saved_activation_bytes(exclude=params) if step == start else None
-            with meter or contextlib.nullcontext():
-                loss, grad_norm = train_step(micro_batches)
-            scaler_skipped = getattr(optimizer, "skipped", False)      # an fp16 overflow (mixed_precision.py)
-            skipped = (guard is not None and guard.skipped) or scaler_skipped
-            due = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
-            log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)(),
-                         evaluate if due else None)
-            if not (skipped or finite(loss, grad_norm)):
-                log.close()
-                stop_nonfinite(step, loss, grad_norm, guard is not None)
-            if skipped:
-                why = "fp16 overflow: the loss scale halves" if scaler_skipped else "--on-nonfinite skip"
-                log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
-                          f"({why}; parameters and optimizer state unchanged)")
-            if meter:
-                activation_peak = meter.peak
-                log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
-                          f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+            one_step(run, train_step, step, log, guard, meter)
+            activation_peak = meter.peak if meter else activation_peak
             stopped_by = stop.agreed() if step + 1 < args.steps else 0    # a collective at every step's end
-            if args.checkpoint_dir and (stopped_by or step + 1 == args.steps or
-                                        (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
-                checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, model, optimizer,
-                                           {"layout": layout, "global_batch": sampler.global_batch,
-                                            "args": vars(args)}, args.keep_last, args.overwrite)
+            save_if_due(run, step, stopped_by)
             if dog:
                 dog.beat(f"step {step + 1} ended")
             if profiler:
                 profiler.step()         # the schedule's clock: wait 1, warm up 1, record 3 (metrics.profiler)
             if stopped_by:
                 break
-    if guard:
-        guard.remove()
-    log.close()
-    if stopped_by:
-        preemption.leave(stopped_by, step + 1, args.checkpoint_dir, is_logging_rank)
-    if profiler and is_logging_rank:
-        print(f"profile: a trace of steps {start + 3}-{min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)} in "
-              f"{args.profile} (open it in ui.perfetto.dev or TensorBoard)")
+    return Ended(step + 1, stopped_by, activation_peak)
+
+
+def one_step(run: Run, train_step, step: int, log, guard, meter):
+    """Step `step`: its learning rate and batches, `train_step` (under `meter`, if any), the log line (and
+    the eval loss when due), then a non-finite loss or norm stops the run or is reported as skipped."""
+    args, optimizer = run.args, run.optimizer
+    log.start_step()
+    lr = optim.lr_at(step, args)
+    optim.set_lr(optimizer, lr)
+    micro_batches = run.batches(run.sampler, step)                   # grad_acc × (x, y), (mbs, T) each
+    with meter or contextlib.nullcontext():
+        loss, grad_norm = train_step(micro_batches)
+    scaler_skipped = getattr(optimizer, "skipped", False)      # an fp16 overflow (mixed_precision.py)
+    skipped = (guard is not None and guard.skipped) or scaler_skipped
+    due = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+    log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)(),
+                 run.evaluate if due else None)
+    if not (skipped or finite(loss, grad_norm)):
+        log.close()
+        stop_nonfinite(step, loss, grad_norm, guard is not None)
+    if skipped:
+        why = "fp16 overflow: the loss scale halves" if scaler_skipped else "--on-nonfinite skip"
+        log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
+                  f"({why}; parameters and optimizer state unchanged)")
+    if meter:
+        log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                  f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+
+
+def save_if_due(run: Run, step: int, stopped_by: int):
+    """The checkpoint of step+1 (--checkpoint-dir): every --checkpoint-every, at the last step, at a stop."""
+    args = run.args
+    every = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
+    if not (args.checkpoint_dir and (stopped_by or step + 1 == args.steps or every)):
+        return
+    flags = {**vars(args), "lr_decay_steps": run.lr_decay_steps}    # --resume keeps the schedule's length
+    meta = {"layout": run.layout, "global_batch": run.sampler.global_batch, "args": flags}
+    checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, run.model, run.optimizer, meta, args.keep_last,
+                               args.overwrite)
+
+
+def report(run: Run, log, start: int, profiler, activation_peak: int):
+    """After the last step: where the profile went, the plots of --plot, the final loss."""
+    args = run.args
+    if profiler and run.is_logging_rank:
+        last = min(args.steps, start + 2 + metrics.PROFILE_ACTIVE)
+        print(f"profile: a trace of steps {start + 3}-{last} in {args.profile} (open it in ui.perfetto.dev "
+              f"or TensorBoard)")
     if args.plot and start < args.steps:
-        mine = memory.measured_state(model, optimizer, activation_peak)          # this rank's bytes
-        everyone = gather_to_all(mine, grid.world_size) if several else [mine]
-        if is_logging_rank:
+        mine = memory.measured_state(run.model, run.optimizer, activation_peak)          # this rank's bytes
+        everyone = gather_to_all(mine, run.world_size) if run.several else [mine]
+        if run.is_logging_rank:
             print(f"plots: {plots.loss_curve(log.records, args.plot)}, "
                   f"{plots.memory_bars(everyone, args.plot)}")
-    if log.records and is_logging_rank:
+    if log.records and run.is_logging_rank:
         print(f"final loss {log.records[-1]['loss']:.4f} after {log.records[-1]['step']} steps")
-    return log.records
 
 
 def mean_loss(model, micro_batches, args, positions=None) -> torch.Tensor:
@@ -167,5 +231,6 @@ def stop_nonfinite(step: int, loss: float, grad_norm, skipping: bool):
     Every rank sees the same global loss and norm, so all stop together, before the step's checkpoint."""
     why = ("its gradients were finite (the norm overflowed), so the step could not be skipped" if skipping
            else "--on-nonfinite stop")
-    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). Lower "
-             f"--lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip", status=1)
+    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). "
+             f"Lower --lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip",
+             status=1)
