@@ -8,10 +8,10 @@ precision). One optimizer step, `train_step` below:
     unscale (÷ S), clip the gradient norm;  AdamW step on the fp32 master weights
 
 Gradient accumulation averages (does not sum) the micro-batch gradients, so global batch = mbs · grad_acc
-(· dp later) sequences and the result does not depend on the split. Around the step, 01's plumbing
-modules do the rest for every folder: cli.py (flags), build.py (device, data, seeded model), loop.py
-(LR schedule, batches, logging, checkpoints), metrics.py (MFU), memory.py (the memory table), and
-mixed_precision.py the dtypes (--dtype, --precision-layout; S is fp16's loss scale, 1 otherwise).
+(· dp later) sequences and the result does not depend on the split. Around the step, the plumbing in
+runtime/ does the rest for every folder: cli.py (flags), build.py (device, data, seeded model), loop.py
+(LR schedule, batches, logging, checkpoints). Beside it: metrics.py (MFU), memory.py (the memory table),
+and mixed_precision.py the dtypes (--dtype, --precision-layout; S is fp16's loss scale, 1 otherwise).
 
     python 01_single_gpu/train.py --steps 200                  # the tiny Llama on Python's own sources
     python 01_single_gpu/train.py --mbs 2 --grad-acc 4 --recompute selective --json-log run.jsonl
