@@ -39,8 +39,8 @@ lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps 
 parameters and are the most sensitive number (1.1e-5 relative at step 2 of a float32 cp2 × pp2 run): 5e-5.
 The Triton layouts are compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
 1e-3 (parameters): the kernels reorder float32 reductions themselves. They train on 8-token windows of
-synthetic tokens (mbs 1; 01's reference reads the same): the interpreter's cost is per row. The cp2 × pp2 layout with 3
-micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
+synthetic tokens (mbs 1; 01's reference reads the same): the interpreter's cost is per row.
+The cp2 × pp2 layout with 3 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
 visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same tolerances: its gradients are
 those of plain DP reduce-scattered instead of all-reduced, its norm a sum of shard squares (one more
