@@ -38,8 +38,9 @@ gradient norm is summed per shard, stage and replica, so results differ from 01 
 lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps are computed on those
 parameters and are the most sensitive number (1.1e-5 relative at step 2 of a float32 cp2 × pp2 run): 5e-5.
 The Triton layouts are compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
-1e-3 (parameters): the kernels reorder float32 reductions themselves. The cp2 × pp2 layout with 3
-micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
+1e-3 (parameters): the kernels reorder float32 reductions themselves. They train on 8-token windows of
+synthetic tokens (mbs 1; 01's reference reads the same): the interpreter's cost is per row.
+The cp2 × pp2 layout with 3 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
 visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same tolerances: its gradients are
 those of plain DP reduce-scattered instead of all-reduced, its norm a sum of shard squares (one more
@@ -104,6 +105,11 @@ NORMS = dict(rtol=5e-5, atol=0)
 
 
 FLOAT64 = (dict(rtol=1e-10, atol=0), dict(rtol=1e-10, atol=0), dict(rtol=0, atol=1e-8))
+
+
+# Triton's CPU interpreter runs each kernel program in Python (~20 ms for one RMSNorm row): the Triton
+# layouts train on 8-token windows of synthetic tokens, a quarter of the rows of the others' 32
+SHORT = ("--seq-len", 8, "--dataset", "synthetic")
 
 
 def _flags(*extra, mbs=2, grad_acc=2, dtype="float32"):
@@ -204,6 +210,8 @@ def _check(flag_set, per_rank):
     precision = {"float32": "fp32", "float64": "fp64"}[dtype]
     args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
                           files=False)   # the planner's view: the checkpoints are not read
+    # the reference reads the same windows: a layout's own --seq-len and --dataset (the Triton layouts')
+    data = [f for flag in ("--seq-len", "--dataset") if flag in extra for f in extra[extra.index(flag):][:2]]
     layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
     ref_dropped = []                                   # 07's logged rows dropped over capacity
     if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
@@ -213,8 +221,8 @@ def _check(flag_set, per_rank):
         train07.log_dropped = lambda *args: ref_dropped.append(log_dropped(*args))
         try:
             records, model, _ = train07.main(common.argv("--num-experts", layout.num_experts, *capacity,
-                                                         steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc,
-                                                         dtype=dtype))
+                                                         *data, steps=STEPS, mbs=mbs * layout.dp,
+                                                         grad_acc=grad_acc, dtype=dtype))
         finally:
             train07.log_dropped = log_dropped
         ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
@@ -224,7 +232,7 @@ def _check(flag_set, per_rank):
         # the model's own flag (tp > kv heads: 04's replicas), which 01 takes too
         kv_heads = extra[extra.index("--num-kv-heads"):][:2] if "--num-kv-heads" in extra else []
         records, model = import_module("01_single_gpu.train").main(common.argv(
-            *evaluation, *kv_heads, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
+            *evaluation, *kv_heads, *data, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
         ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for rank, run in enumerate(per_rank if evaluation else []):   # the same held-out batches everywhere
@@ -247,7 +255,7 @@ def _check(flag_set, per_rank):
         # an evaluation (the last thing a run with --eval-every does) releases what ZeRO-3's forwards gathered
         assert run["resident"] == 0, (what, run["resident"])
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
-        planned = planner.stage_memory(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        planned = planner.stage_memory(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
         params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
         if layout.pp > 1 and layout.zero_stage == 3:    # its peak: the shards and the stage gathered
             params += run["gathered"]
@@ -256,7 +264,7 @@ def _check(flag_set, per_rank):
         assert (params, grads, optimizer) == (planned["parameters"], planned["gradients"],
                                               planned["optimizer"]), what
         # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py)
-        sent = planner.stage_communication(config, layout, common.SEQ_LEN, mbs, grad_acc, pp_rank)
+        sent = planner.stage_communication(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
         # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
@@ -264,7 +272,7 @@ def _check(flag_set, per_rank):
             _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
                          what)
         if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
-            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN,
+            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), args.seq_len,
                                          mbs, grad_acc, pp_rank)["parameters"]
             _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
@@ -360,7 +368,8 @@ FOUR_RANKS = {
                                                "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
     "cp2ulysses-pp2-afab": _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2,
                                   "--pp-schedule", "afab", mbs=4),
-    "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton"),
+    "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton", *SHORT,
+                               mbs=1),
     "dp2ep2-pp2-zbh1-moe-capacity": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                            "--num-experts", 4, "--capacity-factor", 1),
     "cp2zigzag-pp2-full-moe": _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4,
@@ -396,8 +405,8 @@ FOUR_RANKS = {
     "zero3-dp2-pp2-interleaved-eval": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
                                              "--pp-chunks", 2, "--zero-stage", 3, "--eval-every", 1,
                                              "--eval-batches", 1, grad_acc=4),
-    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 3, mbs=1),
-    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", "--zero-stage", 2, mbs=1),
+    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT, "--zero-stage", 3, mbs=1),
+    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT, "--zero-stage", 2, mbs=1),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                         "--num-experts", 4, "--zero-stage", 3)}
 
