@@ -32,12 +32,14 @@ import torch.distributed as dist
 materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
 comm = import_module("02_data_parallel.comm")
+data_parallel = import_module("02_data_parallel.data_parallel")
 flat_unit = import_module("03_zero.flat_unit")
 
 
-class ZeRO:
+class ZeRO(data_parallel.GradientSyncSwitch):
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
-    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
+    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order). Stages 2-3: inside
+    `no_sync()` (02's) the hooks leave the gradients to accumulate in .grad."""
 
     def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, grad_dtype=None,
                  pipelined=False, before_reduce=None):
@@ -56,7 +58,6 @@ class ZeRO:
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage, self.pipelined = group, stage, pipelined
         self.before_reduce = before_reduce or (lambda params: None)
-        self.require_backward_grad_sync = True       # False inside no_sync(): gradients only accumulate
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
         exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
@@ -118,15 +119,6 @@ class ZeRO:
                     p.grad = view
             else:
                 unit.shard_grad.zero_()
-
-    @contextlib.contextmanager
-    def no_sync(self, enabled: bool = True):
-        """Stages 2-3: the hooks leave the gradients to accumulate in .grad (02's no_sync)."""
-        self.require_backward_grad_sync = not enabled
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
 
     def finish_gradients(self):
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
