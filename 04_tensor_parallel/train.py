@@ -32,6 +32,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+kv_replication = import_module("04_tensor_parallel.kv_replication")
 partition_activations = import_module("04_tensor_parallel.partition_activations")
 
 
@@ -49,7 +50,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
             loss += micro_loss.detach()
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
     holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
-    tensor_parallel.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
+    kv_replication.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
     # ‖g‖² summed over the tp shards: the same on every rank, so are fp16's skipped steps
     grad_norm = tensor_parallel.clip_grad_norm_tp(holders, args.grad_clip, grid.tp_group)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped

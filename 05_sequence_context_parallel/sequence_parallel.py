@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 mixed_precision = import_module("01_single_gpu.mixed_precision")
 comm = import_module("02_data_parallel.comm")
+mappings = import_module("04_tensor_parallel.mappings")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
 
 
@@ -46,7 +47,7 @@ class GatherFromSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return tensor_parallel.all_gather_along(x, 1, group)
+        return mappings.all_gather_along(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -64,7 +65,7 @@ class ReduceScatterToSPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return tensor_parallel.all_gather_along(grad, 1, ctx.group), None
+        return mappings.all_gather_along(grad, 1, ctx.group), None
 
 
 def gather_from_sp_region(x, group):
@@ -77,7 +78,7 @@ def reduce_scatter_to_sp_region(x, group):
     return ReduceScatterToSPRegion.apply(x, group)
 
 
-SEQUENCE_PARALLEL = tensor_parallel.Regions(enter=gather_from_sp_region, exit=reduce_scatter_to_sp_region)
+SEQUENCE_PARALLEL = mappings.Regions(enter=gather_from_sp_region, exit=reduce_scatter_to_sp_region)
 
 
 def check_sequence_parallel(tp: int, local_seq_len: int):

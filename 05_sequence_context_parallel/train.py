@@ -35,6 +35,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+kv_replication = import_module("04_tensor_parallel.kv_replication")
 partition_activations = import_module("04_tensor_parallel.partition_activations")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 context_parallel = import_module("05_sequence_context_parallel.context_parallel")
@@ -59,7 +60,7 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
     # over the cp×dp ranks: `ddp` was built on grid.cp_dp_group
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
     holders = optimizer.unscale_gradients()                     # fp16: ÷ S; what holds the gradients
-    tensor_parallel.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
+    kv_replication.all_reduce_kv_replica_gradients(holders)    # tp > kv heads: Σ over a head's copies
     # SP: each tp rank's norms saw T/(cp·tp) tokens, so their gradients are summed over tp, after
     # DP's asynchronous all-reduces (which read these gradients)
     if args.sp:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 zero = import_module("03_zero.zero")
-tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+kv_replication = import_module("04_tensor_parallel.kv_replication")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 moe = import_module("07_expert_parallel.moe")
 
@@ -125,7 +125,7 @@ class DistributedOptimizer:
         the tokens, 05) and each replicated kv head's over the ranks holding it (04)."""
         norms = [p for p in params if p.global_name in self.norm_names]
         sequence_parallel.all_reduce_norm_gradients(norms, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(params)
+        kv_replication.all_reduce_kv_replica_gradients(params)
 
     def finish_gradients(self):
         """After the schedule: stage 1 reduce-scatters every unit, 2-3 the units not reduced yet (the

@@ -26,6 +26,7 @@ from importlib import import_module
 mixed_precision = import_module("01_single_gpu.mixed_precision")
 data_parallel = import_module("02_data_parallel.data_parallel")
 tensor_parallel = import_module("04_tensor_parallel.tensor_parallel")
+kv_replication = import_module("04_tensor_parallel.kv_replication")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 expert_parallel = import_module("07_expert_parallel.expert_parallel")
 experts = import_module("08_5d_combined.experts")
@@ -94,7 +95,7 @@ class DataParallelSync:
             expert_parallel.sync_gradients([], self.expert_params, self.grid)
         if self.norm_weights:
             sequence_parallel.all_reduce_norm_gradients(self.norm_weights, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(self.dense + self.expert_params)
+        kv_replication.all_reduce_kv_replica_gradients(self.dense + self.expert_params)
 
     def clip_gradients(self, max_norm):
         if self.expert_params:
@@ -130,4 +131,4 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
 
 def tp_kv_replicas(args) -> int:
     """How many tp ranks hold each kv head (04's rule), from the flags alone (before the model exists)."""
-    return tensor_parallel.kv_replicas(args.num_kv_heads, args.tp)
+    return kv_replication.kv_replicas(args.num_kv_heads, args.tp)
