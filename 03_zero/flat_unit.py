@@ -21,6 +21,7 @@ from importlib import import_module
 import torch
 
 global_state = import_module("01_single_gpu.global_state")
+materialize = import_module("01_single_gpu.materialize")
 mixed_precision = import_module("01_single_gpu.mixed_precision")
 optim = import_module("01_single_gpu.optim")
 
@@ -28,6 +29,27 @@ optim = import_module("01_single_gpu.optim")
 def llama_units(model):
     """The modules whose parameters form one unit each, in forward order."""
     return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+
+
+def build_units(modules, exclude, rank, size, stage, source=None, grad_dtype=None):
+    """One FlatUnit per module, of its trainable parameters that are not in `exclude` and not in an earlier
+    unit (a tied head's weight is the embedding's); meta parameters become views of their unit's buffer in
+    every module holding them (a tied head too)."""
+    exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
+    seen, units = set(exclude), []
+    for module in modules:
+        own = [p for p in module.parameters() if p.requires_grad and p not in exclude]
+        params = [p for p in own if p not in seen]
+        if stage == 3 and len(params) < len(own):
+            raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
+                             "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
+        seen.update(params)
+        if params:
+            units.append(FlatUnit(len(units), module, params, rank, size, stage, source, grad_dtype))
+    materialized = {k: v for unit in units for k, v in getattr(unit, "materialized", {}).items()}
+    for module in modules:
+        materialize.swap_parameters(module, materialized)
+    return units
 
 
 class FlatUnit:
@@ -75,6 +97,32 @@ class FlatUnit:
         if not self.grad_views and stage == 1:
             self._point_main_grads()
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
+
+    def zero_gradient(self, stage):
+        """Before a step's first micro-batch: stage 1 zeroes grad_full and points each .grad at its view of
+        it (autograd accumulates into it in place); stages 2-3 zero the shard's gradient."""
+        if stage == 1:
+            self.grad_full.zero_()
+            for p, view in zip(self.params, self.views(self.grad_full)) if self.grad_views else []:
+                p.grad = view
+        else:
+            self.shard_grad.zero_()
+
+    def take_full_gradient(self):
+        """Stages 2-3, at the unit's reduce-scatter: (U,) its parameters' gradients in the gradients' dtype,
+        where they are computed (not the host); the parameters' full-size .grad are dropped."""
+        if self.grad_views:
+            flat = self.zeros_full_gradient()
+            for p, view in zip(self.params, self.views(flat)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+        else:
+            # bf16-20: (U,) fp32, every backward since the last reduce-scatter added in
+            # (08: all of a pipeline chunk's micro-batches)
+            flat = self.release_main_grads()
+        for p in self.params:
+            p.grad = None
+        return flat
 
     # bf16-20 (grad_views False): a bf16 .grad cannot be a view of an fp32 buffer, so each backward's bf16
     # .grad is added into the parameter's `main_grad`, a view of the unit's fp32 grad_full (U,) (Megatron's

@@ -29,7 +29,6 @@ from importlib import import_module
 import torch
 import torch.distributed as dist
 
-materialize = import_module("01_single_gpu.materialize")
 memory = import_module("01_single_gpu.memory")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
@@ -60,21 +59,7 @@ class ZeRO(data_parallel.GradientSyncSwitch):
         self.before_reduce = before_reduce or (lambda params: None)
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
-        exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
-        seen, self.units = set(exclude), []
-        for module in modules:
-            own = [p for p in module.parameters() if p.requires_grad and p not in exclude]
-            params = [p for p in own if p not in seen]
-            if stage == 3 and len(params) < len(own):
-                raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
-                                 "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
-            seen.update(params)
-            if params:
-                self.units.append(flat_unit.FlatUnit(len(self.units), module, params, rank, self.size, stage,
-                                                     source, grad_dtype))
-        materialized = {k: v for unit in self.units for k, v in getattr(unit, "materialized", {}).items()}
-        for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
-            materialize.swap_parameters(module, materialized)
+        self.units = flat_unit.build_units(modules, exclude, rank, self.size, stage, source, grad_dtype)
         self.in_flight, self.events, self.callback_queued = [], [], False
         self.gathered_bytes = self.peak_gathered_bytes = 0       # stage 3: full units held (measured)
         for unit in self.units:
@@ -113,12 +98,7 @@ class ZeRO(data_parallel.GradientSyncSwitch):
         (autograd accumulates into it in place); stages 2-3 zero the shard gradients."""
         self.events.clear()
         for unit in self.units:
-            if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
-                unit.grad_full.zero_()
-                for p, view in zip(unit.params, unit.views(unit.grad_full)) if unit.grad_views else []:
-                    p.grad = view
-            else:
-                unit.shard_grad.zero_()
+            unit.zero_gradient(self.stage)
 
     def finish_gradients(self):
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
@@ -167,8 +147,10 @@ class ZeRO(data_parallel.GradientSyncSwitch):
         for unit in self.units:
             for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
                 lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
-                if lo < hi and which(p):   # a kv head on r tp ranks (04's tp > kv heads) counts 1/r per copy
-                    total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1)
+                if lo < hi and which(p):
+                    squares = unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
+                    # a kv head on r tp ranks (04's tp > kv heads) counts 1/r per copy
+                    total += squares / getattr(p, "kv_replicas", 1)
         return total
 
     def scale_gradients(self, coef):
@@ -192,15 +174,7 @@ class ZeRO(data_parallel.GradientSyncSwitch):
 
     def _reduce_scatter(self, unit):
         self.before_reduce(unit.params)       # on .grad, or bf16-20's fp32 main_grad (01's main_grad)
-        if unit.grad_views:                   # (U,) in the gradients' dtype, where they are (not the host)
-            flat = unit.zeros_full_gradient()
-            for p, view in zip(unit.params, unit.views(flat)):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-        else:                                 # bf16-20: (U,) fp32, every backward since the last reduce-
-            flat = unit.release_main_grads()  # scatter added in (08: all of a pipeline chunk's micro-batches)
-        for p in unit.params:
-            p.grad = None                     # the full-size gradient is freed right away
+        flat = unit.take_full_gradient()      # (U,); the full-size .grad are freed right away
         if self.stage == 3:
             unit.free()                       # backward through this unit is over
         self._retire(keep=0)                  # at most one reduce-scatter in flight
