@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 modeling = import_module("01_single_gpu.model")
+rope = import_module("01_single_gpu.rope")
 process_grid = import_module("02_data_parallel.process_grid")
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -130,7 +131,7 @@ class PipelineStage(nn.Module):
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
         positions = (self.position_ids if self.position_ids is not None
                      else torch.arange(x.shape[1], device=x.device))
-        cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
+        cos, sin = rope.rotary_cos_sin(positions, self.config, x.dtype)
         aux = 0.0
         for layer in self.model.layers.values():
             x, layer_aux = layer(x, cos, sin)                                 # (B, T, C), () or 0.0

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 modeling = import_module("01_single_gpu.model")   # 01_single_gpu/model.py
+rope = import_module("01_single_gpu.rope")
 
 KERNEL_CHOICES = ("torch", "triton")
 ATTN_CHOICES = ("sdpa", "eager", "triton")
@@ -86,7 +87,7 @@ def apply_kernels(model, kernels: str = "torch", attn: str = "sdpa"):
         rope_fn = import_module("kernels.rope").apply_rotary
         loss_fn = import_module("kernels.fused_linear_cross_entropy").fused_lm_head_loss
     else:
-        make_norm, act_fn, rope_fn, loss_fn = (_torch_rmsnorm, modeling.silu_mul, modeling.apply_rotary,
+        make_norm, act_fn, rope_fn, loss_fn = (_torch_rmsnorm, modeling.silu_mul, rope.apply_rotary,
                                                modeling.cross_entropy_loss)
     if attn == "triton":
         attn_fn = import_module("kernels.flash_attention").causal_flash_attention

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
 modeling = import_module("01_single_gpu.model")
+rope = import_module("01_single_gpu.rope")
 optim = import_module("01_single_gpu.optim")
 train = import_module("01_single_gpu.train")
 
@@ -91,7 +92,7 @@ def _autocast_step(model, x, y):
 
 
 def old_rotary(q, k, cos, sin):   # before: fp32 angles promoted q and k to fp32
-    return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+    return q * cos + rope.rotate_half(q) * sin, k * cos + rope.rotate_half(k) * sin
 
 
 def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
@@ -110,8 +111,8 @@ def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(torch.randn(2, 3, 64)).dtype == torch.bfloat16
         q, k = torch.randn(1, 4, 3, 16, dtype=torch.bfloat16), torch.randn(1, 2, 3, 16, dtype=torch.bfloat16)
-        cos, sin = modeling.rotary_cos_sin(torch.arange(3), config, torch.float32)
-        assert all(t.dtype == torch.bfloat16 for t in modeling.apply_rotary(q, k, cos, sin))
+        cos, sin = rope.rotary_cos_sin(torch.arange(3), config, torch.float32)
+        assert all(t.dtype == torch.bfloat16 for t in rope.apply_rotary(q, k, cos, sin))
     new_loss, new_grads = _autocast_step(model, x, y)
     monkeypatch.setattr(modeling, "to_compute_dtype", lambda x: x)
     for layer in model.model.layers:

@@ -19,6 +19,7 @@ import torch
 import common
 
 modeling = import_module("01_single_gpu.model")
+rope = import_module("01_single_gpu.rope")
 hf_io = import_module("01_single_gpu.hf_io")
 train = import_module("01_single_gpu.train")
 optim = import_module("01_single_gpu.optim")
@@ -103,18 +104,18 @@ def test_rotary_embedding_turns_each_pair_by_position_times_frequency():
     the rest float64: 1e-6 is float32's rounding of angles up to ~30 rad."""
     config = tiny_config(hidden_size=32)                                            # hd = 8
     positions = torch.arange(31)
-    cos, sin = modeling.rotary_cos_sin(positions, config, torch.float64)            # (T, hd)
+    cos, sin = rope.rotary_cos_sin(positions, config, torch.float64)            # (T, hd)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 31, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 31, 8, generator=g,
                                                                                      dtype=torch.float64)
-    turned_q, turned_k = modeling.apply_rotary(q, k, cos, sin)
-    angles = (positions.float()[:, None] * modeling.rope_inv_freq(config)[None, :]).double()   # (T, hd/2)
+    turned_q, turned_k = rope.apply_rotary(q, k, cos, sin)
+    angles = (positions.float()[:, None] * rope.rope_inv_freq(config)[None, :]).double()   # (T, hd/2)
     for x, turned in ((q, turned_q), (k, turned_k)):
         z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angles), angles)
         torch.testing.assert_close(turned, torch.cat([z.real, z.imag], dim=-1), rtol=1e-6, atol=1e-6)
     shift = 5                                  # every q and k 5 positions later: the same (T−5, T−5) scores
     scores = turned_q[0, 0, :-shift] @ turned_k[0, 0, :-shift].T
-    q_later, k_later = modeling.apply_rotary(q[:, :, :-shift], k[:, :, :-shift], cos[shift:], sin[shift:])
+    q_later, k_later = rope.apply_rotary(q[:, :, :-shift], k[:, :, :-shift], cos[shift:], sin[shift:])
     torch.testing.assert_close(q_later[0, 0] @ k_later[0, 0].T, scores, rtol=1e-5, atol=1e-5)
 
 
