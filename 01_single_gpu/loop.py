@@ -2,11 +2,11 @@
 
     for step in range(start, --steps):
         set the learning rate                                   optim.lr_at
-        this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
+        this rank's micro-batches of the step's global batch    sampling.GlobalBatchSampler
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
         a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite,
                                                                 fp16's loss scaler (mixed_precision.py)
-        every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
+        every --eval-every steps, eval_step(held-out batches)    sampling.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
         --profile DIR: the profiler's schedule advances         metrics.profiler
         a SIGTERM/SIGUSR1 on any rank: save this step, exit 75  preemption.py (all ranks agree, one scalar)
@@ -32,6 +32,7 @@ build = import_module("01_single_gpu.build")
 checkpoint = import_module("01_single_gpu.checkpoint")
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
+sampling = import_module("01_single_gpu.sampling")
 memory = import_module("01_single_gpu.memory")
 metrics = import_module("01_single_gpu.metrics")
 optim = import_module("01_single_gpu.optim")
@@ -55,9 +56,9 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     is_logging_rank = grid is None or grid.rank == 0
     layout = layout or {}
     global_batch = args.mbs * args.grad_acc * dp_size
-    dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
-    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
-    eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
+    dataset, held_out = sampling.split_held_out(dataset, args.eval_batches * global_batch)
+    sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
+    eval_sampler = sampling.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
 
     def batches(of, step):   # this rank's grad_acc × (x, y), (mbs, T) each, of global batch `step`
         return [tuple(t.to(device) for t in of.micro_batch(step, m, dp_rank)) for m in range(args.grad_acc)]

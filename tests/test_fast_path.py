@@ -20,6 +20,7 @@ import common
 ROOT = Path(__file__).resolve().parents[1]
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
+sampling = import_module("01_single_gpu.sampling")
 modeling = import_module("01_single_gpu.model")
 rope = import_module("01_single_gpu.rope")
 optim = import_module("01_single_gpu.optim")
@@ -148,8 +149,8 @@ def test_synthetic_windows_are_seeded_uniform_token_ids():
     assert not (windows[3]["input_ids"] == data.SyntheticWindows(1000, 511, seed=6)[3]["input_ids"]).all()
     ids = torch.cat([torch.from_numpy(windows[i]["input_ids"]) for i in range(40)])
     assert ids.min() == 0 and ids.max() == 999 and len(ids.unique()) > 990
-    one = data.GlobalBatchSampler(windows, seed=5, mbs=4, grad_acc=1).micro_batch(2, 0)[0]
-    dp2 = [data.GlobalBatchSampler(windows, seed=5, mbs=2, grad_acc=1, dp_size=2).micro_batch(2, 0, r)[0]
+    one = sampling.GlobalBatchSampler(windows, seed=5, mbs=4, grad_acc=1).micro_batch(2, 0)[0]
+    dp2 = [sampling.GlobalBatchSampler(windows, seed=5, mbs=2, grad_acc=1, dp_size=2).micro_batch(2, 0, r)[0]
            for r in (0, 1)]
     assert torch.equal(one, torch.cat(dp2))
 

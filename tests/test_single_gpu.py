@@ -26,6 +26,7 @@ optim = import_module("01_single_gpu.optim")
 memory = import_module("01_single_gpu.memory")
 recompute = import_module("01_single_gpu.recompute")
 data = import_module("01_single_gpu.data")
+sampling = import_module("01_single_gpu.sampling")
 
 
 def tiny_config(**kw):
@@ -129,8 +130,8 @@ def test_config_errors_name_the_fix():
 def test_sampler_is_deterministic_and_shards_the_global_batch():
     """dp ranks with mbs M read exactly the rows one device reads with mbs dp·M."""
     ds = data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
-    one = data.GlobalBatchSampler(ds, seed=5, mbs=6, grad_acc=2)
-    sharded = [data.GlobalBatchSampler(ds, seed=5, mbs=2, grad_acc=2, dp_size=3) for _ in range(3)]
+    one = sampling.GlobalBatchSampler(ds, seed=5, mbs=6, grad_acc=2)
+    sharded = [sampling.GlobalBatchSampler(ds, seed=5, mbs=2, grad_acc=2, dp_size=3) for _ in range(3)]
     for step in (0, 7):
         for micro in range(2):
             x, y = one.micro_batch(step, micro)
@@ -370,7 +371,7 @@ def test_init_from_hf_directory(tmp_path):
     hf_io.save_hf(source, tmp_path / "hf")
     losses, _ = common.single_device_run("--init-from", tmp_path / "hf", steps=1)
     ds = data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
-    x, y = data.GlobalBatchSampler(ds, seed=1234, mbs=4, grad_acc=1).micro_batch(0, 0)
+    x, y = sampling.GlobalBatchSampler(ds, seed=1234, mbs=4, grad_acc=1).micro_batch(0, 0)
     with torch.no_grad():
         assert losses[0] == pytest.approx(source(x, labels=y).item(), rel=1e-6)
 

@@ -35,6 +35,7 @@ from harness import layout_results, run_layouts
 build = import_module("01_single_gpu.build")
 cli = import_module("01_single_gpu.cli")
 data = import_module("01_single_gpu.data")
+sampling = import_module("01_single_gpu.sampling")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 pipeline = import_module("06_pipeline.pipeline")
@@ -80,7 +81,7 @@ def _step_gradients(extra):
     if args.pp_schedule == "zb-h1":
         _metered(pipe, "backward_input", meters["B"], calls)
         _metered(pipe, "backward_weight", meters["W"], calls)
-    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
+    sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
     micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
     schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
     return dict(grads={pipeline.single_device_name(n): None if p.grad is None else p.grad.numpy().copy()
