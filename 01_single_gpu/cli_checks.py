@@ -87,6 +87,7 @@ def check_inputs(args):
     `--resume auto`, a folder without any step_* folder means a new run)."""
     cli, sources, data = (import_module(f"01_single_gpu.{m}") for m in ("cli", "sources", "data"))
     hf_io, checkpoint = import_module("01_single_gpu.hf_io"), import_module("01_single_gpu.checkpoint")
+    resume_checks = import_module("01_single_gpu.resume_checks")
     modeling = import_module("01_single_gpu.model")
     check_output_file(args.json_log, "--json-log")
     if args.profile:
@@ -118,13 +119,13 @@ def check_inputs(args):
             args.resume = None
         if args.resume:
             world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
-            resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+            resumed = resume_checks.check_resume(args, args.checkpoint_dir, global_batch, world_size)
             args.resume_step, args.run_id = resumed.step, resumed.run_id
             for step, problem in resumed.skipped:
                 cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
                            f"resuming from step {resumed.step}", file=sys.stderr)
         else:
-            checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+            resume_checks.check_new_run(args.checkpoint_dir, args.overwrite)
 
 
 def global_batch_of(args) -> int:
