@@ -1,7 +1,7 @@
 """What `planner.py --search` prints: the playbook's three steps, the fastest layouts term by term, why the
 first one wins, the training time, and (--plot) its memory per pipeline stage as a PNG.
 
-The arithmetic is search.py's; this file only reads its plans. A plan's step time is printed as the sum of
+The arithmetic is search.py's and step_time.py's; this file only reads its plans. A plan's step time is printed as the sum of
 its parts: compute, the exposed communication of each dimension, and the bubble's share (the bubble
 stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
 
@@ -15,6 +15,7 @@ from importlib import import_module
 
 cli_checks = import_module("01_single_gpu.cli_checks")
 search = import_module("08_5d_combined.search")
+step_time = import_module("08_5d_combined.step_time")
 planner = import_module("08_5d_combined.planner")
 
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble")
@@ -141,13 +142,13 @@ def main(args, parser):
     try:
         config = search.model_config(args)
         check_search(args)
-        cluster = search.cluster_of(args)
+        cluster = step_time.cluster_of(args)
     except ValueError as error:
         parser.error(str(error))
     batch = args.global_batch_tokens // args.seq_len
     plans, pruned = search.search(args, config, cluster, batch)
     params = sum(planner.stage_parameters(config, planner.Layout(num_experts=args.num_experts), 0))
-    flops = search.flops_per_token(config, args.seq_len, "none", args.num_experts, args.top_k)
+    flops = step_time.flops_per_token(config, args.seq_len, "none", args.num_experts, args.top_k)
     print(f"model: {params / 1e9:.1f}B parameters ({args.arch}), h {config.hidden_size}, L "
           f"{config.num_hidden_layers}, heads {config.num_attention_heads}/{config.num_key_value_heads}, "
           f"ffn {config.intermediate_size}, vocab {config.vocab_size}; {args.precision} precision")
@@ -175,7 +176,7 @@ def main(args, parser):
           f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
           + f"{'X':>6}")
     for rank, plan in enumerate(plans[:args.top], 1):
-        executed = search.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
+        executed = step_time.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
                                           args.top_k) * batch * args.seq_len
         print(row(rank, plan, executed, cluster.gpus))
     print("why #1:")
@@ -183,13 +184,13 @@ def main(args, parser):
         print(f"  {line}")
     if args.train_tokens:
         best = plans[0]
-        per_token = search.flops_per_token(config, args.seq_len, best.layout.recompute, args.num_experts,
+        per_token = step_time.flops_per_token(config, args.seq_len, best.layout.recompute, args.num_experts,
                                            args.top_k)
         x = per_token * batch * args.seq_len / (best.times["step"] * cluster.gpus)
         days = args.train_tokens / (batch * args.seq_len) * best.times["step"] / 86400
         print(f"training on {args.train_tokens:.3g} tokens: {days:.1f} days at #1's step time;\n"
               f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} TFLOP/s: "
-              f"{search.training_days(args.train_tokens, params, cluster.gpus, x):.1f} days")
+              f"{step_time.training_days(args.train_tokens, params, cluster.gpus, x):.1f} days")
     if args.plot:
         gpu_gb = cluster.memory / 1e9 + args.mem_reserve
         plot_memory(config, plans[0], args.seq_len, cluster, args.plot, gpu_gb)
