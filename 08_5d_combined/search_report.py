@@ -1,9 +1,9 @@
 """What `planner.py --search` prints: the playbook's three steps, the fastest layouts term by term, why the
 first one wins, the training time, and (--plot) its memory per pipeline stage as a PNG.
 
-The arithmetic is search.py's and step_time.py's; this file only reads its plans. A plan's step time is printed as the sum of
-its parts: compute, the exposed communication of each dimension, and the bubble's share (the bubble
-stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
+The arithmetic is search.py's and step_time.py's; this file only reads their plans. A plan's step time is
+printed as the sum of its parts: compute, the exposed communication of each dimension, and the bubble's
+share (the bubble stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
 
     python 08_5d_combined/planner.py --search --gpus 1024 --gpu a100 --arch gpt --hidden-size 12288 \\
         --num-layers 96 --num-heads 96 --seq-len 2048 --global-batch-tokens 3145728 --train-tokens 300e9
