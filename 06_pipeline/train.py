@@ -36,6 +36,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 data_parallel = import_module("02_data_parallel.data_parallel")
 pipeline = import_module("06_pipeline.pipeline")
+point_to_point = import_module("06_pipeline.point_to_point")
 passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
@@ -92,8 +93,9 @@ def run(args, config, dataset, grid):
     del full                                                # the other stages' layers never existed
     optimizer = mixed_precision.MixedPrecisionOptimizer(stages.parameters(), args)   # AdamW on fp32 masters
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device, v_shape)
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks, shape,
+                             build.param_dtype(args), device, v_shape)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                            split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD,
                            scale_loss=optimizer.scale)                              # fp16: × S

@@ -39,6 +39,7 @@ process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 sequence_parallel = import_module("05_sequence_context_parallel.sequence_parallel")
 pipeline = import_module("06_pipeline.pipeline")
+point_to_point = import_module("06_pipeline.point_to_point")
 passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 timeline = import_module("06_pipeline.timeline")
@@ -159,9 +160,10 @@ def run(args, config, dataset, grid):
     # 6. DP or ZeRO, and 01's AdamW (fp32 masters) on its shards
     sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args, source)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
-                       v_shape=args.pp_schedule in pipeline.V_SHAPED)
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
+                             shape, build.param_dtype(args), device,                    # (mbs, T/cp[/tp], C)
+                             v_shape=args.pp_schedule in pipeline.V_SHAPED)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                            split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync,
                            scale_loss=optimizer.scale)                             # fp16: × S

@@ -39,6 +39,7 @@ sampling = import_module("01_single_gpu.sampling")
 process_grid = import_module("02_data_parallel.process_grid")
 comm = import_module("02_data_parallel.comm")
 pipeline = import_module("06_pipeline.pipeline")
+point_to_point = import_module("06_pipeline.point_to_point")
 passes = import_module("06_pipeline.passes")
 schedules = import_module("06_pipeline.schedules")
 layout = import_module("08_5d_combined.layout")         # 08's flags, rules and order of transforms
@@ -50,8 +51,9 @@ GRADIENTS = dict(rtol=1e-12, atol=1e-15)
 
 def _pipeline(args, grid, stages):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, build.param_dtype(args), build.device_of(args))
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
+                             shape, build.param_dtype(args), build.device_of(args))
     return passes.Pipeline(stages, p2p, passes.pass_clock(build.device_of(args)),
                               split_backward=args.pp_schedule == "zb-h1")
 
@@ -246,7 +248,7 @@ def test_cuda_pass_clock_with_fake_events():
     torch.manual_seed(0)
     config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)
-    p2p = pipeline.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
+    p2p = point_to_point.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
     clock = passes.DeviceClock(FakeCudaEvent)
     pipe = passes.Pipeline(stages, p2p, clock)
     micro_batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)]
