@@ -68,7 +68,8 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
     else:
         everyone = [keys]
     writer = {}
-    for r, rank_keys in enumerate(everyone):            # each distinct piece: written by the first rank holding it
+    # each distinct piece: written by the first rank holding it
+    for r, rank_keys in enumerate(everyone):
         for key in rank_keys:
             writer.setdefault(key, r)
     path = scratch / f"rank_{rank:05d}.safetensors"
@@ -90,9 +91,11 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
         problems = [problem for _, _, rank_problems in gathered for problem in rank_problems]
     if rank == 0 and not problems:
         scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
-        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta,
-                    "config": global_state.model_config(model), "optimizer_step": global_state.optimizer_step(optimizer),
-                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files), "pieces": listed}
+        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"],
+                    **meta, "config": global_state.model_config(model),
+                    "optimizer_step": global_state.optimizer_step(optimizer),
+                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files),
+                    "pieces": listed}
         manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         try:
@@ -119,9 +122,9 @@ def _abandon(directory, scratch: Path, step: int, problem: str, rank: int):
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     import_module("01_single_gpu.cli").fail(
-        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass another "
-        f"--checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the last one)",
-        status=1)
+        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass "
+        f"another --checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the "
+        f"last one)", status=1)
 
 
 def _publish(scratch: Path, final: Path):
@@ -206,7 +209,8 @@ def newest_usable(directory, reader: bool = False) -> Resume:
     fix = "pass a trainer's --checkpoint-dir"
     if not Path(directory).is_dir():
         raise ValueError(f"--checkpoint-dir {directory} does not exist: {fix}" if reader else
-                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
+                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to "
+                         f"continue")
     skipped = []
     for step in checkpoint_steps(directory):
         problem, manifest = verify(Path(directory) / f"step_{step:06d}")
@@ -214,13 +218,15 @@ def newest_usable(directory, reader: bool = False) -> Resume:
             return Resume(step, manifest.get("run_id"), skipped)
         skipped.append((step, problem))
     if not skipped:
-        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}" if reader
-                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume, "
-                              f"or pass --resume auto (a new run where none was saved yet)")
+        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}"
+                         if reader else
+                         f"--resume: no checkpoint in {directory} (no step_* folder): start without "
+                         f"--resume, or pass --resume auto (a new run where none was saved yet)")
     problems = "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
     raise ValueError(f"--checkpoint-dir {directory} holds no usable checkpoint: {problems}: pass the "
                      f"--checkpoint-dir of a run whose save finished" if reader else
-                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run (--overwrite)")
+                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run "
+                     f"(--overwrite)")
 
 
 def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None = None) -> int:
@@ -230,20 +236,21 @@ def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None 
     folder = Path(directory) / f"step_{step:06d}"
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{folder} was written by an older checkpoint.py (one file of state dicts per rank): "
-                         f"start a new run")
+        raise ValueError(f"{folder} was written by an older checkpoint.py (one file of state dicts per "
+                         f"rank): start a new run")
     saved, mine = manifest["config"], global_state.model_config(model)
     different = sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k))
     if different:
-        raise ValueError(f"{folder} holds another model ({', '.join(f'{k} {saved.get(k)} vs {mine.get(k)}' for k in different[:3])}): "
-                         f"resume with the model flags that saved it")
+        shown = ", ".join(f"{k} {saved.get(k)} vs {mine.get(k)}" for k in different[:3])
+        raise ValueError(f"{folder} holds another model ({shown}): resume with the model flags that saved it")
     handles = {}
 
     def read(piece, quantity):
         if piece["file"] not in handles:
             handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
         return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
-    global_state.load(global_state.Assembler(manifest["pieces"], read), optimizer, model, manifest["optimizer_step"])
+    assembler = global_state.Assembler(manifest["pieces"], read)
+    global_state.load(assembler, optimizer, model, manifest["optimizer_step"])
     scaler = getattr(optimizer, "scaler", None)
     # fp16's loss scale continues; saved without fp16 (or by an older version): --loss-scale-init
     if scaler and manifest.get("loss_scaler"):

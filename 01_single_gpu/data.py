@@ -124,7 +124,8 @@ def _records(source, kind, files, text_column, scratch):
         else:
             ds = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train",
                                        cache_dir=str(scratch))
-    except Exception as error:   # a record check_source did not peek at, or the hub, is broken: name the source
+    # a record check_source did not peek at, or the hub, is broken: name the source
+    except Exception as error:
         cause = error.__cause__ or error
         raise ValueError(f"{source} could not be read as {sources.KIND_NAMES.get(kind, 'a hub dataset')} "
                          f"({type(cause).__name__}: {sources.first_line(cause)}): fix it or pass another "

@@ -44,7 +44,8 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None, or Hugging Face's spelling: {"rope_type": "linear" | "llama3", and that kind's rope.ROPE_SCALINGS keys}
+    # None, or Hugging Face's spelling:
+    # {"rope_type": "linear" | "llama3", and that kind's rope.ROPE_SCALINGS keys}
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -85,8 +86,8 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # (B, T, C)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Under autocast over fp32 weights, y would be fp32 and each linear reading it (q, k, v; gate, up) would
-        # cast it to bf16 again: one cast here gives the same values, once.
+        # Under autocast over fp32 weights, y would be fp32, and each linear reading it (q, k, v; gate, up)
+        # would cast it to bf16 again: one cast here gives the same values, once.
         return to_compute_dtype(self.weight * x32.to(x.dtype))
 
 

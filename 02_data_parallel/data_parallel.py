@@ -104,7 +104,8 @@ class OverlapDataParallel(DataParallel):
 
     def _grad_ready(self, p, i):
         """Runs inside backward once p.grad holds this backward's full contribution."""
-        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+        # autograd runs the hook on no gradient too
+        if not self.require_backward_grad_sync or p.grad is None:
             return
         self.events += [("grad", i), ("launch", len(self.pending))]
         work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
@@ -167,7 +168,8 @@ class BucketDataParallel(DataParallel):
 
     def _grad_ready(self, bucket, j, i):
         p = bucket.params[j]
-        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+        # autograd runs the hook on no gradient too
+        if not self.require_backward_grad_sync or p.grad is None:
             return
         bucket.view_of(j).copy_(p.grad)
         p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket

@@ -89,7 +89,7 @@ class FlatUnit:
                 # which global parameters' elements it holds: checkpoints resume into any layout
                 piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
                 self.pieces.append(piece)
-        self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
+        self.grad = None                      # (U/N,) this rank's slice of the reduced gradient
         grad_dtype = grad_dtype or self.shard.dtype       # bf16-20: fp32 buffers under bf16 parameters
         self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
         self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
@@ -163,8 +163,9 @@ class FlatUnit:
         """Stages 1-2 fill the whole flat buffer (every rank holds the parameters); stage 3 allocates only
         its shard and, one parameter at a time, generates those that overlap it: a rank never holds more
         than its shard and one full tensor. The meta parameters become views of `full`."""
+        # (U,), never touched at stage 3
         self.full = torch.zeros(self.padded, dtype=source.dtype, device=source.device) if stage < 3 else \
-            torch.empty(self.padded, dtype=source.dtype, device=source.device)   # (U,), never touched at stage 3
+            torch.empty(self.padded, dtype=source.dtype, device=source.device)
         self.shard = self.full[self.lo:self.hi] if stage < 3 else \
             torch.zeros(self.hi - self.lo, dtype=source.dtype, device=source.device)      # (U/N,)
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):

@@ -38,7 +38,8 @@ kv_replication = import_module("04_tensor_parallel.kv_replication")
 # ======================================================================================
 def shard_parameter(full, dim, tp_rank, tp_size):
     """This rank's contiguous 1/tp of the full weight along `dim`, as a marked Parameter. On the meta device
-    (every trainer) only the shape is sliced: 01's materialize.py fills the rank's block, which `block` names."""
+    (every trainer) only the shape is sliced: 01's materialize.py fills the rank's block, which `block`
+    names."""
     size = full.shape[dim] // tp_size
     shard = nn.Parameter(full.detach().narrow(dim, tp_rank * size, size).clone())
     shard.tp_sharded = True   # counted once per shard by `clip_grad_norm_tp`

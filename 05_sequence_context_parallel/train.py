@@ -132,7 +132,8 @@ def run(args, config, dataset, grid):
 
 def main(argv=None):
     args, config, dataset = cli.setup(build_parser(), argv, check_layout)
-    with process_grid.distributed(args.device, dp=args.dp, cp=args.cp, tp=args.tp, timeout_s=args.timeout_s) as grid:
+    with process_grid.distributed(args.device, dp=args.dp, cp=args.cp, tp=args.tp,
+                                  timeout_s=args.timeout_s) as grid:
         return run(args, config, dataset, grid)
 
 

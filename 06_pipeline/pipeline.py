@@ -14,10 +14,7 @@ The V-shaped schedules (zb-v, dualpipev: v_schedules.py) place 2 chunks V-wise i
 blocks r and 2p−1−r, so a micro-batch goes down the ranks and back up, turns on rank p−1 without a
 message, and rank 0 holds both the embedding and the loss.
 
-Communication per micro-batch and block boundary: one send of mbs·T·C elements forward and one
-backward ([PB] App. 5.3.4: 4·mbs·T·C per micro-batch counting both ends); per rank and step:
-    sends = m·(2V − [first rank] − [last rank])  messages of mbs·T·C elements
-(only the first block sends no gradient and only the last block no activation).
+Communication: one mbs·T·C message each way per micro-batch and block boundary (point_to_point.py).
 Parameters, gradients and optimizer states shrink by p; the activations a stage holds do not
 (the schedule decides how many micro-batches are in flight, schedules.py).
 

@@ -3,8 +3,11 @@
 Playbook §2.6 (pipeline parallelism), Megatron-LM §2.2 (`p2p_communication.py` of its code). Between the
 blocks of one pipeline (pipeline.py places them on the ranks) travel (mbs, T, C) tensors: block b sends
 its output to block b+1 and receives the gradient of that output back. Per micro-batch and block
-boundary one send of mbs·T·C elements each way ([PB] App. 5.3.4). Sends are asynchronous, receives
-block, and every message is tagged with (micro-batch, boundary, direction), so a schedule that
+boundary one send of mbs·T·C elements forward and one backward ([PB] App. 5.3.4: 4·mbs·T·C per
+micro-batch counting both ends); per rank and step, m micro-batches, V chunks per rank:
+    sends = m·(2V − [first rank] − [last rank])  messages of mbs·T·C elements
+(only the first block sends no gradient and only the last block no activation). Sends are asynchronous,
+receives block, and every message is tagged with (micro-batch, boundary, direction), so a schedule that
 received out of order fails loudly. Forward and backward messages, and the hops that go down to a
 lower rank (the interleaved ring's wrap, the V's way back), each get a process group of their own
 (`direction_groups`): NCCL runs one communicator's sends and receives between two ranks in issue order.

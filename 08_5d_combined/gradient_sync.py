@@ -121,8 +121,9 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
     where ZeRO-3 draws the values of the stages' meta parameters, only its shards."""
     if args.zero_stage:
         view = experts.stage_view(stages) if args.num_experts else None
+        accumulation = mixed_precision.layout_of(args).accumulation
         sync = distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights,
-                                                          mixed_precision.layout_of(args).accumulation, source)
+                                                          accumulation, source)
         return sync, mixed_precision.MixedPrecisionOptimizer(sync.shards, args, hooks=False)
     optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,

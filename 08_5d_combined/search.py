@@ -59,7 +59,8 @@ def add_arguments(parser):
     g.add_argument("--arch", choices=["llama", "gpt"], default="llama",
                    help="gpt: Megatron-LM's GPT of --hidden-size, --num-layers, --num-heads, --vocab-size")
     g.add_argument("--gpus", type=int, help="GPUs in all (the product of the degrees)")
-    g.add_argument("--gpu", choices=sorted(step_time.GPUS), default="h100", help="peak, memory and links (datasheets)")
+    g.add_argument("--gpu", choices=sorted(step_time.GPUS), default="h100",
+                   help="peak, memory and links (datasheets)")
     g.add_argument("--hbm-tbps", type=float, help="HBM bandwidth in TB/s (the roofline's ridge point)")
     g.add_argument("--mfu", type=float, default=0.45, help="assumed fraction of peak on every FLOP executed")
     g.add_argument("--mem-reserve", type=float, default=4.0, help="GB kept free (CUDA context, NCCL buffers)")

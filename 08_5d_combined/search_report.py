@@ -172,9 +172,9 @@ def main(args, parser):
     print(f"step 2, batch: every layout kept splits {batch} sequences as dp × mbs × m (grad-acc)")
     print("step 3, throughput: the fastest by estimated step time, and its parts in % of it: compute, the")
     print("  exposed communication, the bubble's share (X: TFLOP/s per GPU, recomputation included)")
+    parts = "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
     print(f"{'#':>3}{'dp':>5}{'tp':>4}{'pp':>4}{'cp':>4}{'ep':>4}{'sp':>4}{'zero':>5}  {'recompute':<10}"
-          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
-          + f"{'X':>6}")
+          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + parts + f"{'X':>6}")
     for rank, plan in enumerate(plans[:args.top], 1):
         executed = step_time.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
                                           args.top_k) * batch * args.seq_len
@@ -188,9 +188,10 @@ def main(args, parser):
                                            args.top_k)
         x = per_token * batch * args.seq_len / (best.times["step"] * cluster.gpus)
         days = args.train_tokens / (batch * args.seq_len) * best.times["step"] / 86400
+        megatron_days = step_time.training_days(args.train_tokens, params, cluster.gpus, x)
         print(f"training on {args.train_tokens:.3g} tokens: {days:.1f} days at #1's step time;\n"
-              f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} TFLOP/s: "
-              f"{step_time.training_days(args.train_tokens, params, cluster.gpus, x):.1f} days")
+              f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} "
+              f"TFLOP/s: {megatron_days:.1f} days")
     if args.plot:
         gpu_gb = cluster.memory / 1e9 + args.mem_reserve
         plot_memory(config, plans[0], args.seq_len, cluster, args.plot, gpu_gb)

@@ -152,7 +152,8 @@ def run(args, config, dataset, grid):
     # ZeRO-3 (6.) draws only its flat shards from `source`, by global name and block (03)
     source = build.source(full, args) if args.zero_stage == 3 else None
     if source is None:
-        build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
+        # only this rank's shards of its stages get values
+        build.materialize(full, args, keep=stages.parameters())
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
