@@ -1,12 +1,12 @@
 """Memory accounting per rank: parameters, gradients, optimizer states and activations.
 
-Playbook §2.1.1 and ZeRO §3. Model states are measured from the tensors that really exist on the
-rank (so a sharded run reports its shard), in the dtypes of its precision layout (mixed_precision.py:
-bf16 weights and gradients, fp32 masters and accumulation buffers; `held_state_bytes` recounts them
-after a step, which the tests compare with the table printed before the first); activations are estimated with the playbook's formula
-(Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`, which follows what
-autograd stores for the backward pass (its peak over a training step is what the trainers print
-after their first step). On a GPU the allocator's peak is reported too.
+Playbook §2.1.1 and ZeRO §3. Model states are measured from the tensors that really exist on the rank
+(so a sharded run reports its shard), in the dtypes of its precision layout (mixed_precision.py: bf16
+weights and gradients, fp32 masters and accumulation buffers; `held_state_bytes` recounts them after a
+step, which the tests compare with the table printed before the first); activations are estimated with
+the playbook's formula (Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`,
+which follows what autograd stores for the backward pass (its peak over a training step is what the
+trainers print after their first step). On a GPU the allocator's peak is reported too.
 
 Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1;
 Korthikanti et al. Table 2), for sequence s, micro-batch b, hidden h, heads a, tensor-parallel t,
@@ -127,8 +127,9 @@ class MemoryReport:
         lines += [f"  {name:<24}{v / 2**20:>10.2f} MiB" for name, v in rows]
         lines.append(f"  {'total':<24}{total / 2**20:>10.2f} MiB")
         if self.numel:
+            split = " + ".join(f"{v:g}" for v in self.per_parameter())
             lines.append(f"  {'model states':<24}{sum(self.per_parameter()):>10.2f} bytes per parameter "
-                         f"(weights, gradients, optimizer: {' + '.join(f'{v:g}' for v in self.per_parameter())})")
+                         f"(weights, gradients, optimizer: {split})")
         if self.peak_allocated is not None:
             lines.append(f"  {'GPU allocator peak':<24}{self.peak_allocated / 2**20:>10.2f} MiB")
         return "\n".join(lines)

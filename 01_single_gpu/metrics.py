@@ -35,7 +35,8 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}   # dense bf16, per 
 
 def flops_per_token(config, seq_len: int) -> int:
     """6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention's 12·L·h·s."""
-    with torch.device("meta"):   # shapes only: no memory, no initialisation (the 1b preset would take seconds)
+    # shapes only: no memory, no initialisation (the 1b preset would take seconds)
+    with torch.device("meta"):
         shapes = modeling.LlamaForCausalLM(config)
     matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
                         if "embed_tokens" not in n or config.tie_word_embeddings)
@@ -100,7 +101,8 @@ class StepLog:
     def __init__(self, args, start: int, tokens_per_step: int, flops_per_step: float, world_size: int,
                  device, is_logging_rank: bool, hardware_flops_per_step: float | None = None):
         self.args, self.device, self.is_logging_rank = args, device, is_logging_rank
-        self.tokens_per_step, self.flops_per_step, self.world_size = tokens_per_step, flops_per_step, world_size
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.world_size = world_size
         self.hardware_flops_per_step = hardware_flops_per_step or flops_per_step   # recomputed FLOPs included
         self.peak = peak_tflops(args, device)
         self.records = []
@@ -141,8 +143,8 @@ class StepLog:
         if self.tensorboard:
             self.write_tensorboard(record)
         if self.is_logging_rank and (step + 1) % self.args.log_every == 0:
-            mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB" if self.device.type == "cuda"
-                   else "-")
+            mem = (f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}GiB"
+                   if self.device.type == "cuda" else "-")
             mfu, hfu = (f"{record[k]:.1%}" if self.peak else "n/a" for k in ("mfu", "hfu"))
             shown = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}   # the latest one
             self.bar.set_postfix(loss=f"{loss:.4f}", **shown, tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu,
@@ -166,8 +168,8 @@ class StepLog:
             import cli         # imported here: cli imports this module
             cli.fail(
                 f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed "
-                f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so far "
-                f"are intact (--resume continues from the last one)", status=1)
+                f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so "
+                f"far are intact (--resume continues from the last one)", status=1)
 
     def write_tensorboard(self, record: dict):
         """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""

@@ -4,7 +4,7 @@ Playbook §2.1 (the model whose memory and FLOPs every later chapter divides up)
 Llama's: RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, optional tied
 embeddings. Parameter names and layouts are those of Hugging Face `LlamaForCausalLM`, so a
 `config.json` + `model.safetensors` directory loads into it and back (`hf_io.py`): Llama 1, 2 and 3.x,
-with their rope_theta and RoPE scaling (`linear`; Llama 3.1's `llama3`, see `rope_inv_freq`). Other
+with their rope_theta and RoPE scaling (`linear`; Llama 3.1's `llama3`: rope.py). Other
 scalings (yarn, dynamic, ...), biases and head_dim ≠ C/nh are refused by name.
 
 Parameter count (playbook App. 5.2, GLU variant, untied head):
@@ -29,26 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-# The RoPE scalings Llama checkpoints use (Llama 2 long-context variants, Llama 3.1/3.2), with the keys each
-# reads, spelt as Hugging Face spells them; `rope_inv_freq` implements them.
-ROPE_SCALINGS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def check_rope_scaling(scaling: dict):
-    """A clear error for a scaling `rope_inv_freq` does not implement, or one with missing/extra keys."""
-    kind = scaling.get("rope_type")
-    if kind not in ROPE_SCALINGS:
-        raise ValueError(f"RoPE scaling '{kind}' is not implemented (supported: default, linear, llama3)")
-    keys = set(scaling) - {"rope_type"}
-    if keys != set(ROPE_SCALINGS[kind]):
-        raise ValueError(f"RoPE scaling '{kind}' takes exactly {', '.join(ROPE_SCALINGS[kind])}; "
-                         f"got {', '.join(sorted(keys))}")
-    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
-        raise ValueError("llama3 RoPE scaling needs low_freq_factor < high_freq_factor")
+import rope
 
 
 @dataclass
@@ -62,14 +43,15 @@ class LlamaConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # None, or Hugging Face's spelling: {"rope_type": "linear" | "llama3", and that kind's ROPE_SCALINGS keys}
+    # None, or Hugging Face's spelling:
+    # {"rope_type": "linear" | "llama3", and that kind's rope.ROPE_SCALINGS keys}
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
 
     def __post_init__(self):
         if self.rope_scaling is not None:
-            check_rope_scaling(self.rope_scaling)
+            rope.check_rope_scaling(self.rope_scaling)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"num_heads={self.num_attention_heads} does not divide "
                              f"hidden_size={self.hidden_size}")
@@ -103,69 +85,9 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # (B, T, C)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Under autocast over fp32 weights, y would be fp32 and each linear reading it (q, k, v; gate, up) would
-        # cast it to bf16 again: one cast here gives the same values, once.
+        # Under autocast over fp32 weights, y would be fp32, and each linear reading it (q, k, v; gate, up)
+        # would cast it to bf16 again: one cast here gives the same values, once.
         return to_compute_dtype(self.weight * x32.to(x.dtype))
-
-
-def rope_inv_freq(config, device=None):
-    """(hd/2,) float32 inverse frequencies ω_i = theta^(-2i/hd) (RoFormer, Su et al. 2021), then scaled.
-
-    linear (Chen et al. 2023, position interpolation): ω_i / factor, positions squeezed by `factor`.
-    llama3 (Llama 3.1's wavelength-banded scaling, `apply_scaling` of Meta's llama-models code): with the
-    wavelength λ_i = 2π/ω_i and the pretraining context L = original_max_position_embeddings,
-        λ_i < L/high_freq_factor    ω_i              short wavelengths (local order) are kept
-        λ_i > L/low_freq_factor     ω_i / factor     long ones are interpolated
-        otherwise                   (1 − s)·ω_i/factor + s·ω_i,  s = (L/λ_i − low)/(high − low)
-    (low, high = low_freq_factor, high_freq_factor; s runs from 0 at λ = L/low to 1 at λ = L/high).
-    All in float32, operation for operation as Hugging Face computes them: pretrained Llama weights were
-    trained with exactly these rounded frequencies.
-    """
-    hd = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd)   # (hd/2,)
-    scaling = config.rope_scaling or {"rope_type": "default"}
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        context = scaling["original_max_position_embeddings"]
-        wavelength = 2 * math.pi / inv_freq                                   # (hd/2,) tokens per turn
-        s = (context / wavelength - low) / (high - low)                       # (hd/2,) blend weight
-        blended = (1 - s) * inv_freq / factor + s * inv_freq
-        scaled = torch.where(wavelength > context / low, inv_freq / factor, blended)
-        return torch.where(wavelength < context / high, inv_freq, scaled)
-    return inv_freq
-
-
-def rotary_cos_sin(position_ids, config, dtype):
-    """cos, sin of shape (T, hd) for the given positions (T,): angle_i = pos · ω_i, ω from `rope_inv_freq`.
-
-    Takes the config, not theta, so every caller gets the scaled frequencies. The angles are computed
-    in float32 whatever the model's dtype, as Hugging Face does.
-    """
-    # exercise 01.2: rotary position embedding
-    # hint: the angle of position m and frequency i is m·ω_i, ω = rope_inv_freq (float32 whatever the dtype):
-    #   (T, hd/2), repeated along the last dimension to (T, hd) since apply_rotary pairs x_i with x_{i+hd/2};
-    #   return cos and sin in `dtype`.
-    # test: tests/test_single_gpu.py::test_rotary_embedding_turns_each_pair_by_position_times_frequency
-    inv_freq = rope_inv_freq(config, position_ids.device)                # (hd/2,)
-    angles = position_ids.float()[:, None] * inv_freq[None, :]            # (T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)                          # (T, hd)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-    # end exercise
-
-
-def rotate_half(x):  # (..., hd) -> (..., hd): [x1, x2] -> [-x2, x1]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(q, k, cos, sin):
-    """Rotate q (B, nh, T, hd) and k (B, nkv, T, hd) by the angles in cos/sin (T, hd), in q's and k's dtype.
-
-    fp32 angles under bf16 autocast: the products run in fp32 and are rounded once, to the bf16 the
-    attention reads (the values it read before, when it cast fp32 q and k itself)."""
-    return (q * cos + rotate_half(q) * sin).to(q.dtype), (k * cos + rotate_half(k) * sin).to(k.dtype)
 
 
 def sdpa_attention(q, k, v):
@@ -203,7 +125,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c, config.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, c, bias=False)
         self.attn_fn = sdpa_attention
-        self.rope_fn = apply_rotary
+        self.rope_fn = rope.apply_rotary
 
     def forward(self, x, cos, sin):  # x (B, T, C)
         B, T, _ = x.shape
@@ -267,7 +189,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def rotary(self, position_ids, dtype):
-        return rotary_cos_sin(position_ids, self.config, dtype)
+        return rope.rotary_cos_sin(position_ids, self.config, dtype)
 
     def forward(self, input_ids, position_ids=None):  # (B, T) -> (B, T, C), Σ of the layers' auxiliary losses
         x = self.embed_tokens(input_ids)

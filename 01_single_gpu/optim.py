@@ -109,7 +109,8 @@ class SkipNonFinite:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         bad = torch.zeros((), device=self.device or params[0].device)
-        if grads:                                   # host gradients (offloaded): the flag copied to the device
+        # host gradients (offloaded): the flag is copied to the device
+        if grads:
             bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(bad)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)

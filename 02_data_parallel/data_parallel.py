@@ -51,7 +51,24 @@ def average_gradients(params, group):
     # end exercise
 
 
-class DataParallel:
+class GradientSyncSwitch:
+    """DDP's `no_sync` and `require_backward_grad_sync`, for any object whose gradient hooks communicate:
+    inside `no_sync()` the hooks leave each backward's gradients to accumulate locally (every micro-batch
+    but the last). 02's DataParallel and 03's ZeRO share it."""
+
+    require_backward_grad_sync = True      # False inside no_sync(): the hooks do not communicate
+
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True):
+        """Accumulate local gradients without communicating (DDP's no_sync)."""
+        self.require_backward_grad_sync = not enabled
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+
+class DataParallel(GradientSyncSwitch):
     """Naive data parallelism: `finish_gradients` all-reduces every gradient after backward.
 
     The step (02's train.py) runs every micro-batch's backward but the last inside `no_sync()`, then
@@ -65,18 +82,7 @@ class DataParallel:
         self.sources = [p for p in params if p.requires_grad]      # whose backward fires the hooks
         self.params = self.sources if grad_owners is None else list(grad_owners)  # whose .grad is averaged
         self.group, self.size = group, dist.get_world_size(group)
-        self.require_backward_grad_sync = True     # False inside no_sync(): hooks do not communicate
         self.events, self.step_events = [], []
-
-    @contextlib.contextmanager
-    def no_sync(self, enabled: bool = True):
-        """Accumulate local gradients without communicating (DDP's no_sync; all micro-batches but the
-        last)."""
-        self.require_backward_grad_sync = not enabled
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
 
     def finish_gradients(self):
         average_gradients(self.params, self.group)
@@ -98,7 +104,8 @@ class OverlapDataParallel(DataParallel):
 
     def _grad_ready(self, p, i):
         """Runs inside backward once p.grad holds this backward's full contribution."""
-        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+        # autograd runs the hook on no gradient too
+        if not self.require_backward_grad_sync or p.grad is None:
             return
         self.events += [("grad", i), ("launch", len(self.pending))]
         work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
@@ -161,7 +168,8 @@ class BucketDataParallel(DataParallel):
 
     def _grad_ready(self, bucket, j, i):
         p = bucket.params[j]
-        if not self.require_backward_grad_sync or p.grad is None:   # autograd runs the hook on no gradient too
+        # autograd runs the hook on no gradient too
+        if not self.require_backward_grad_sync or p.grad is None:
             return
         bucket.view_of(j).copy_(p.grad)
         p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket

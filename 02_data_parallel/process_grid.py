@@ -40,7 +40,8 @@ def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int 
                          f"world size {world_size}; launch with --nproc_per_node {dp * pp * cp * tp} "
                          f"or change the degrees")
     if dp % ep:
-        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel ranks")
+        raise ValueError(f"ep={ep} does not divide dp={dp}: expert parallelism splits the data-parallel "
+                         f"ranks")
     return torch.arange(world_size).view(dp, pp, cp, tp)
 
 
@@ -114,9 +115,10 @@ def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: i
             if rank in ranks:
                 mine[name] = (group, ranks)
     dp_rank, pp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
-    return ProcessGrid(world_size=world, rank=rank, dp_size=dp, pp_size=pp, cp_size=cp, tp_size=tp, ep_size=ep,
-                       dp_rank=dp_rank, pp_rank=pp_rank, cp_rank=cp_rank, tp_rank=tp_rank, ep_rank=dp_rank % ep,
-                       pp_ranks=tuple(mine["pp"][1]),
+    return ProcessGrid(world_size=world, rank=rank,
+                       dp_size=dp, pp_size=pp, cp_size=cp, tp_size=tp, ep_size=ep,
+                       dp_rank=dp_rank, pp_rank=pp_rank, cp_rank=cp_rank, tp_rank=tp_rank,
+                       ep_rank=dp_rank % ep, pp_ranks=tuple(mine["pp"][1]),
                        **{f"{name}_group": group for name, (group, _) in mine.items()})
 
 
@@ -147,15 +149,17 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
         if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
             dist.init_process_group(backend, timeout=timeout)
         else:                        # plain `python train.py`: a world of one, on a port no other run holds
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
     return build_process_grid(dp, pp, cp, tp, ep)
 
 
 def subgroup(grid: ProcessGrid, dim: str, size: int):
     """This rank's group of `size` consecutive ranks of its `dim` group (collective: every rank creates
-    every such group of every `dim` group, in the same order); e.g. the tp ranks holding the same kv head."""
-    layout = grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size, grid.ep_size)
+    every such group of every `dim` group, in the same order); e.g. the tp ranks holding the same kv
+    head."""
+    layout = grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size,
+                         grid.ep_size)
     mine = None
     for ranks in _groups_along(layout, (("dp", "pp", "cp", "tp").index(dim),)):
         for start in range(0, len(ranks), size):

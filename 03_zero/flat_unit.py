@@ -20,6 +20,7 @@ import math
 import torch
 
 import global_state
+import materialize
 import mixed_precision
 import optim
 
@@ -27,6 +28,27 @@ import optim
 def llama_units(model):
     """The modules whose parameters form one unit each, in forward order."""
     return [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+
+
+def build_units(modules, exclude, rank, size, stage, source=None, grad_dtype=None):
+    """One FlatUnit per module, of its trainable parameters that are not in `exclude` and not in an earlier
+    unit (a tied head's weight is the embedding's); meta parameters become views of their unit's buffer in
+    every module holding them (a tied head too)."""
+    exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
+    seen, units = set(exclude), []
+    for module in modules:
+        own = [p for p in module.parameters() if p.requires_grad and p not in exclude]
+        params = [p for p in own if p not in seen]
+        if stage == 3 and len(params) < len(own):
+            raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
+                             "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
+        seen.update(params)
+        if params:
+            units.append(FlatUnit(len(units), module, params, rank, size, stage, source, grad_dtype))
+    materialized = {k: v for unit in units for k, v in getattr(unit, "materialized", {}).items()}
+    for module in modules:
+        materialize.swap_parameters(module, materialized)
+    return units
 
 
 class FlatUnit:
@@ -66,7 +88,7 @@ class FlatUnit:
                 # which global parameters' elements it holds: checkpoints resume into any layout
                 piece.segments = global_state.flat_segments(self.params, self.offsets, a, b)
                 self.pieces.append(piece)
-        self.grad = None                      # (U/N,) this rank's slice of the averaged gradient, once reduced
+        self.grad = None                      # (U/N,) this rank's slice of the reduced gradient
         grad_dtype = grad_dtype or self.shard.dtype       # bf16-20: fp32 buffers under bf16 parameters
         self.grad_full = self.shard.new_zeros(self.padded, dtype=grad_dtype) if stage == 1 else None    # (U,)
         self.shard_grad = self.shard.new_zeros(self.hi - self.lo, dtype=grad_dtype) if stage > 1 else None
@@ -74,6 +96,32 @@ class FlatUnit:
         if not self.grad_views and stage == 1:
             self._point_main_grads()
         self.ready, self.gather_work, self.gathered = 0, None, stage < 3
+
+    def zero_gradient(self, stage):
+        """Before a step's first micro-batch: stage 1 zeroes grad_full and points each .grad at its view of
+        it (autograd accumulates into it in place); stages 2-3 zero the shard's gradient."""
+        if stage == 1:
+            self.grad_full.zero_()
+            for p, view in zip(self.params, self.views(self.grad_full)) if self.grad_views else []:
+                p.grad = view
+        else:
+            self.shard_grad.zero_()
+
+    def take_full_gradient(self):
+        """Stages 2-3, at the unit's reduce-scatter: (U,) its parameters' gradients in the gradients' dtype,
+        where they are computed (not the host); the parameters' full-size .grad are dropped."""
+        if self.grad_views:
+            flat = self.zeros_full_gradient()
+            for p, view in zip(self.params, self.views(flat)):
+                if p.grad is not None:
+                    view.copy_(p.grad)
+        else:
+            # bf16-20: (U,) fp32, every backward since the last reduce-scatter added in
+            # (08: all of a pipeline chunk's micro-batches)
+            flat = self.release_main_grads()
+        for p in self.params:
+            p.grad = None
+        return flat
 
     # bf16-20 (grad_views False): a bf16 .grad cannot be a view of an fp32 buffer, so each backward's bf16
     # .grad is added into the parameter's `main_grad`, a view of the unit's fp32 grad_full (U,) (Megatron's
@@ -114,8 +162,9 @@ class FlatUnit:
         """Stages 1-2 fill the whole flat buffer (every rank holds the parameters); stage 3 allocates only
         its shard and, one parameter at a time, generates those that overlap it: a rank never holds more
         than its shard and one full tensor. The meta parameters become views of `full`."""
+        # (U,), never touched at stage 3
         self.full = torch.zeros(self.padded, dtype=source.dtype, device=source.device) if stage < 3 else \
-            torch.empty(self.padded, dtype=source.dtype, device=source.device)   # (U,), never touched at stage 3
+            torch.empty(self.padded, dtype=source.dtype, device=source.device)
         self.shard = self.full[self.lo:self.hi] if stage < 3 else \
             torch.zeros(self.hi - self.lo, dtype=source.dtype, device=source.device)      # (U/N,)
         for p, a, b in zip(self.params, self.offsets, self.offsets[1:]):

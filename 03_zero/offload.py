@@ -15,10 +15,8 @@ parameters). Per step, Ψ padded elements of e bytes, N ranks, A micro-batches:
                one (layout.expected_peak_device_bytes); bf16-16/20: the fp32 masters are host tensors too
     host       master or shard eΨ/N + gradient eΨ/N + AdamW's states 2eΨ/N (param: ZeRO-3's bytes)
 
-The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's (param: ZeRO-3's bit
-for bit; fp16: the gradients are unscaled on ZeRO's shards before the clip, as without offload). On a GPU
-the host tensors are page-locked (pinned) and the copies to the device asynchronous DMA; on this CPU-only
-machine "device" and "host" are both the CPU and the host tensors separate buffers. Numbers: README.md.
+The same AdamW on the same numbers: losses and parameters equal ZeRO-s's and 01's. Why (fp16 too), the
+pinned copies on a GPU, and the measured numbers: 03_zero/README.md.
 
     torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 3 --offload param
 

@@ -128,20 +128,21 @@ def run(args, config, dataset, grid):
         where = ", on the device" if host_side else ""
         print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where}; "
                            f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
-        expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes, precision,
-                                                 sum(p.numel() for p in model.parameters()))
-        if host_side:                 # ZeRO-Offload's split: the optimizer (param: the shards too) on the host
+        numel = sum(p.numel() for p in model.parameters())
+        expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes,
+                                                   precision, numel)
+        # ZeRO-Offload's split: the optimizer (param: the shards too) on the host
+        if host_side:
             expected, host = layout_mod.expected_offload_bytes(args.offload, args.zero_stage, grid.dp_size,
-                                                               zero.padded_bytes, precision,
-                                                               sum(p.numel() for p in model.parameters()))
+                                                               zero.padded_bytes, precision, numel)
         print("  ZeRO paper:                  " + mib_line(expected))
         if host_side:
             print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))
             print("  ZeRO-Offload paper, host:    " + mib_line(host))
         if args.offload == "param":
             formula = layout_mod.expected_peak_device_bytes(zero.units)
-            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most (gathered "
-                  f"units and shard copies, measured), {formula / 2**20:.2f} MiB by the formula")
+            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most "
+                  f"(gathered units and shard copies, measured), {formula / 2**20:.2f} MiB by the formula")
             print(f"  copies in the last step:     {zero.h2d_bytes / 2**20:.2f} MiB host -> device, "
                   f"{zero.d2h_bytes / 2**20:.2f} MiB back (2A·eΨ/N and A·eΨ/N)")
     return records, zero, model, optimizer, meter, offload

@@ -28,15 +28,16 @@ import warnings
 import torch
 import torch.distributed as dist
 
-import materialize
 import memory
 import comm
+import data_parallel
 import flat_unit
 
 
-class ZeRO:
+class ZeRO(data_parallel.GradientSyncSwitch):
     """One stage's sharding of `modules`' parameters over `group`, and the calls of its step: zero_gradients,
-    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order)."""
+    finish_gradients, clip_gradients, gather_shards (03's train.py shows their order). Stages 2-3: inside
+    `no_sync()` (02's) the hooks leave the gradients to accumulate in .grad."""
 
     def __init__(self, modules, group, stage: int, exclude=(), divisor=None, source=None, grad_dtype=None,
                  pipelined=False, before_reduce=None):
@@ -55,24 +56,9 @@ class ZeRO:
             raise ValueError(f"--zero-stage {stage}: choose 1, 2 or 3")
         self.group, self.stage, self.pipelined = group, stage, pipelined
         self.before_reduce = before_reduce or (lambda params: None)
-        self.require_backward_grad_sync = True       # False inside no_sync(): gradients only accumulate
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.divisor = divisor or self.size
-        exclude = set(exclude)                       # sets of tensors compare by identity (lists: by value)
-        seen, self.units = set(exclude), []
-        for module in modules:
-            own = [p for p in module.parameters() if p.requires_grad and p not in exclude]
-            params = [p for p in own if p not in seen]
-            if stage == 3 and len(params) < len(own):
-                raise ValueError("ZeRO-3 gathers each module's own parameters: shared (tied) weights are not "
-                                 "supported, train without --tie-embeddings or use --zero-stage 1 or 2")
-            seen.update(params)
-            if params:
-                self.units.append(flat_unit.FlatUnit(len(self.units), module, params, rank, self.size, stage,
-                                                     source, grad_dtype))
-        materialized = {k: v for unit in self.units for k, v in getattr(unit, "materialized", {}).items()}
-        for module in modules:            # every module holding a meta parameter (a tied head too) gets its view
-            materialize.swap_parameters(module, materialized)
+        self.units = flat_unit.build_units(modules, exclude, rank, self.size, stage, source, grad_dtype)
         self.in_flight, self.events, self.callback_queued = [], [], False
         self.gathered_bytes = self.peak_gathered_bytes = 0       # stage 3: full units held (measured)
         for unit in self.units:
@@ -111,21 +97,7 @@ class ZeRO:
         (autograd accumulates into it in place); stages 2-3 zero the shard gradients."""
         self.events.clear()
         for unit in self.units:
-            if self.stage == 1:   # autograd accumulates in place into .grad views of grad_full
-                unit.grad_full.zero_()
-                for p, view in zip(unit.params, unit.views(unit.grad_full)) if unit.grad_views else []:
-                    p.grad = view
-            else:
-                unit.shard_grad.zero_()
-
-    @contextlib.contextmanager
-    def no_sync(self, enabled: bool = True):
-        """Stages 2-3: the hooks leave the gradients to accumulate in .grad (02's no_sync)."""
-        self.require_backward_grad_sync = not enabled
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = True
+            unit.zero_gradient(self.stage)
 
     def finish_gradients(self):
         """unit.grad (U/N,), and its pieces' .grad: this rank's slice of the sum over ranks of the
@@ -174,8 +146,10 @@ class ZeRO:
         for unit in self.units:
             for p, a, b in zip(unit.params, unit.offsets, unit.offsets[1:]):
                 lo, hi = max(a, unit.lo), min(b, unit.hi)            # p's elements inside [lo, hi)
-                if lo < hi and which(p):   # a kv head on r tp ranks (04's tp > kv heads) counts 1/r per copy
-                    total += unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1)
+                if lo < hi and which(p):
+                    squares = unit.grad[lo - unit.lo:hi - unit.lo].to(dtype).pow(2).sum()
+                    # a kv head on r tp ranks (04's tp > kv heads) counts 1/r per copy
+                    total += squares / getattr(p, "kv_replicas", 1)
         return total
 
     def scale_gradients(self, coef):
@@ -199,15 +173,7 @@ class ZeRO:
 
     def _reduce_scatter(self, unit):
         self.before_reduce(unit.params)       # on .grad, or bf16-20's fp32 main_grad (01's main_grad)
-        if unit.grad_views:                   # (U,) in the gradients' dtype, where they are (not the host)
-            flat = unit.zeros_full_gradient()
-            for p, view in zip(unit.params, unit.views(flat)):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-        else:                                 # bf16-20: (U,) fp32, every backward since the last reduce-
-            flat = unit.release_main_grads()  # scatter added in (08: all of a pipeline chunk's micro-batches)
-        for p in unit.params:
-            p.grad = None                     # the full-size gradient is freed right away
+        flat = unit.take_full_gradient()      # (U,); the full-size .grad are freed right away
         if self.stage == 3:
             unit.free()                       # backward through this unit is over
         self._retire(keep=0)                  # at most one reduce-scatter in flight

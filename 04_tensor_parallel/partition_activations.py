@@ -25,7 +25,7 @@ import functools
 from torch.utils.checkpoint import checkpoint
 
 import recompute
-import tensor_parallel
+import mappings
 
 
 def partitioned_checkpoint(layer_forward, tp_group):
@@ -36,13 +36,13 @@ def partitioned_checkpoint(layer_forward, tp_group):
     whole and the parameters' gradients accumulate as without P_a."""
     @functools.wraps(layer_forward)
     def forward(x, cos, sin):                                            # x (B, T, C), equal on every tp rank
-        shard = tensor_parallel.split_along(x.detach(), -1, tp_group)   # (B, T, C/t): all that is kept
+        shard = mappings.split_along(x.detach(), -1, tp_group)   # (B, T, C/t): all that is kept
         first_run, needs_grad = [x], x.requires_grad                     # x itself, for the forward only
 
         def run(shard, cos, sin):
             if first_run:
                 return layer_forward(first_run.pop(), cos, sin)
-            full = tensor_parallel.all_gather_along(shard, -1, tp_group)   # (B, T, C/t) -> (B, T, C)
+            full = mappings.all_gather_along(shard, -1, tp_group)   # (B, T, C/t) -> (B, T, C)
             return layer_forward(full.requires_grad_(needs_grad), cos, sin)   # saves what the forward saved
         return checkpoint(run, shard, cos, sin, use_reentrant=False)
     return forward

@@ -8,7 +8,7 @@ identities of matrix multiplication:
 
 A block is column-then-row (q/k/v → o_proj, gate/up → down_proj; [MEG] Fig. 5), entered through
 f = `copy_to_tp_region` (identity forward, all-reduce backward) and left through f̄ =
-`reduce_from_tp_region` (all-reduce forward, identity backward): per layer and micro-batch 2
+`reduce_from_tp_region` (all-reduce forward, identity backward; mappings.py): per layer and micro-batch 2
 all-reduces of b·s·h elements forward and 2 backward, 8·b·s·h·(t−1)/t on the wire per rank ([MEG]
 §4.2.2). The embedding and the loss are vocab-parallel (`vocab_parallel.py`); the RMSNorm weights are
 replicated and their gradients agree without communication. Weights, gradients and AdamW states of
@@ -21,8 +21,6 @@ slices the full, identically seeded weights (so the loss equals 01's from step o
 Shape legend (model.py): B batch, T sequence, C hidden, F intermediate, V vocab, t = tp size.
 """
 import functools
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,120 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import materialize
-import mixed_precision
-import comm
-import process_grid
-
-
-# ======================================================================================
-# The four region functions (Megatron's f, f̄ and the gather/scatter pair)
-# ======================================================================================
-def all_gather_along(x, dim, group):
-    """(…, n/t, …) on each rank -> (…, n, …): the shards concatenated along `dim` in rank order."""
-    size = dist.get_world_size(group)
-    flat = torch.empty(size * x.numel(), dtype=x.dtype, device=x.device)
-    comm.all_gather_flat(flat, x.movedim(dim, 0).contiguous().flatten(), group=group)   # (t·numel,)
-    gathered = flat.view(size * x.shape[dim], *x.movedim(dim, 0).shape[1:])              # (n, …)
-    return gathered.movedim(0, dim).contiguous()
-
-
-def split_along(x, dim, group):
-    """(…, n, …) -> this rank's (…, n/t, …) slice; no communication."""
-    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
-
-
-class CopyToTPRegion(torch.autograd.Function):
-    """f: forward identity (every rank already holds X); backward all-reduce (sum) of dL/dX over the
-    group, since each rank's column shard contributed its part of the input gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # exercise 04.1: Megatron's f and f̄
-        # hint: f (copy_to_tp_region) is the identity forward and sums dL/dX over the group backward; f̄
-        #   (reduce_from_tp_region) sums a copy of the partial outputs over the group forward and is the
-        #   identity backward. A backward returns one gradient per forward input (None for the group).
-        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[f-and-f-bar]
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp
-        return grad, None
-        # end exercise
-
-
-class ReduceFromTPRegion(torch.autograd.Function):
-    """f̄: forward all-reduce (sum) of the partial row-parallel outputs; backward identity (every rank
-    needs the whole dL/dY)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        # exercise 04.1
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)                            # (B, T, C) summed over tp
-        return x
-        # end exercise
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class GatherFromTPRegion(torch.autograd.Function):
-    """Forward all-gather along the last dim ((…, n/t) -> (…, n)); backward keep this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, -1, ctx.group), None
-
-
-class ScatterToTPRegion(torch.autograd.Function):
-    """Forward keep this rank's slice of the last dim ((…, n) -> (…, n/t)); backward all-gather it."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, -1, ctx.group), None
-
-
-def copy_to_tp_region(x, group):
-    """f: identity forward, all-reduce backward."""
-    return CopyToTPRegion.apply(x, group)
-
-
-def reduce_from_tp_region(x, group):
-    """f̄: all-reduce forward, identity backward."""
-    return ReduceFromTPRegion.apply(x, group)
-
-
-def gather_from_tp_region(x, group):
-    return GatherFromTPRegion.apply(x, group)
-
-
-def scatter_to_tp_region(x, group):
-    return ScatterToTPRegion.apply(x, group)
-
-
-@dataclass(frozen=True)
-class Regions:
-    """How activations enter the column-parallel linears and leave the row-parallel ones (and the
-    vocab-parallel embedding). Sequence parallelism (05) swaps in all-gather / reduce-scatter."""
-    enter: Callable   # (x, group) -> x as every column shard needs it
-    exit: Callable    # (partial x, group) -> x summed over the group
-
-
-TENSOR_PARALLEL = Regions(enter=copy_to_tp_region, exit=reduce_from_tp_region)
+import mappings
+import kv_replication
 
 
 # ======================================================================================
@@ -151,7 +37,8 @@ TENSOR_PARALLEL = Regions(enter=copy_to_tp_region, exit=reduce_from_tp_region)
 # ======================================================================================
 def shard_parameter(full, dim, tp_rank, tp_size):
     """This rank's contiguous 1/tp of the full weight along `dim`, as a marked Parameter. On the meta device
-    (every trainer) only the shape is sliced: 01's materialize.py fills the rank's block, which `block` names."""
+    (every trainer) only the shape is sliced: 01's materialize.py fills the rank's block, which `block`
+    names."""
     size = full.shape[dim] // tp_size
     shard = nn.Parameter(full.detach().narrow(dim, tp_rank * size, size).clone())
     shard.tp_sharded = True   # counted once per shard by `clip_grad_norm_tp`
@@ -178,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):                                                 # (…, in)
         # f is not here: the parent's EnterRegion applied it to x before the parent's forward ran
         y = self.linear_fn(x, self.weight)                                # (…, out/t)
-        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+        return mappings.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -189,7 +76,7 @@ class RowParallelLinear(nn.Module):
     is the local matmul before that collective, so a split backward (ZB-H1) can defer its dW alone.
     """
 
-    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=reduce_from_tp_region):
+    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=mappings.reduce_from_tp_region):
         super().__init__()
         self.weight = shard_parameter(weight, 1, tp_rank, tp_size)        # (out, in/t)
         self.tp_group, self.exit_region = tp_group, exit_region
@@ -239,40 +126,10 @@ def check_tensor_parallel(config, tp: int):
         if n % tp:
             raise ValueError(f"tp={tp} does not divide {name}={n} (choose --tp dividing it, or change "
                              f"--{name.replace('_', '-').replace('num-attention', 'num')})")
-    nkv = config.num_key_value_heads
-    if nkv % tp and tp % nkv:
-        raise ValueError(f"tp={tp} and num_key_value_heads={nkv}: each rank needs whole key/value heads, so one "
-                         f"must divide the other (tp ≤ kv heads splits them, tp > kv heads replicates each over "
-                         f"tp/kv ranks); pass --num-kv-heads a divisor or multiple of {tp}, or another --tp")
+    kv_replication.check_kv_heads(config.num_key_value_heads, tp)
 
 
-def kv_replicas(num_kv_heads: int, tp: int) -> int:
-    """How many tp ranks hold each key/value head: 1 when tp ≤ kv heads (split), tp/kv heads when tp > kv
-    heads (Llama-3 70B has 8 kv heads: at tp 16 every head lives on 2 ranks, each with its own q heads)."""
-    return max(1, tp // num_kv_heads)
-
-
-def replicated_kv(weight, tp_rank, tp_size, num_kv_heads, replica_group):
-    """k_proj / v_proj at tp > kv heads: rank r keeps kv head r // (tp/kv) whole, the head its q heads
-    use. The copies of a head see different q heads, so their gradients are partial sums: the step adds
-    them over `replica_group` (`all_reduce_kv_replica_gradients`), and the norm counts each head once."""
-    replicas = tp_size // num_kv_heads
-    linear = ColumnParallelLinear(weight, tp_rank // replicas, num_kv_heads, None)     # (hd, C): one head
-    linear.weight.kv_replicas, linear.weight.replica_group = replicas, replica_group
-    return linear
-
-
-@torch.no_grad()
-def all_reduce_kv_replica_gradients(params):
-    """Sum the gradients of replicated key/value heads over the ranks holding the same head (in .grad, or
-    in ZeRO's fp32 `main_grad` under bf16-20: 01's `main_grad`)."""
-    for p in params:
-        grad = mixed_precision.main_grad(p)
-        if getattr(p, "kv_replicas", 1) > 1 and grad is not None:
-            dist.all_reduce(grad, group=p.replica_group)                # (hd, C) summed over the replicas
-
-
-def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
+def apply_tensor_parallel(model, grid, regions: mappings.Regions = mappings.TENSOR_PARALLEL):
     """Split a full LlamaForCausalLM over grid.tp_group in place; returns it.
 
     Every rank built the same full model (same seed or --init-from), so slicing gives exactly the
@@ -282,15 +139,17 @@ def apply_tensor_parallel(model, grid, regions: Regions = TENSOR_PARALLEL):
     config = model.config
     check_tensor_parallel(config, grid.tp_size)
     tp = (grid.tp_rank, grid.tp_size, grid.tp_group)
-    replicas = kv_replicas(config.num_key_value_heads, grid.tp_size)
-    replica_group = process_grid.subgroup(grid, "tp", replicas) if replicas > 1 else None   # collective
+    # kv_replication.py: the kv heads split like q's, or (tp > kv heads) whole on tp/kv ranks each
+    nkv = config.num_key_value_heads
+    kv_rows = kv_replication.kv_shard(grid.tp_rank, grid.tp_size, nkv)  # (index, count) of k/v's row slices
+    replica_group = kv_replication.replica_group(grid, nkv)             # collective
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.q_proj = ColumnParallelLinear(attn.q_proj.weight, *tp)     # split by heads: rows are (heads, hd)
         for name in ("k_proj", "v_proj"):
-            weight = getattr(attn, name).weight
-            setattr(attn, name, ColumnParallelLinear(weight, *tp) if replicas == 1 else
-                    replicated_kv(weight, grid.tp_rank, grid.tp_size, config.num_key_value_heads, replica_group))
+            linear = ColumnParallelLinear(getattr(attn, name).weight, *kv_rows, grid.tp_group)
+            kv_replication.mark_replicas(linear.weight, nkv, grid.tp_size, replica_group)
+            setattr(attn, name, linear)
         attn.o_proj = RowParallelLinear(attn.o_proj.weight, *tp, exit_region=regions.exit)
         mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj.weight, *tp)
         mlp.up_proj = ColumnParallelLinear(mlp.up_proj.weight, *tp)

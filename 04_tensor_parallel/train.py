@@ -34,6 +34,7 @@ import process_grid
 import comm
 import data_parallel
 import tensor_parallel
+import kv_replication
 import partition_activations
 
 
@@ -51,7 +52,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
             loss += micro_loss.detach()
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
     grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
-    tensor_parallel.all_reduce_kv_replica_gradients(grad_owners)  # tp > kv heads: Σ over a head's copies
+    kv_replication.all_reduce_kv_replica_gradients(grad_owners)  # tp > kv heads: Σ over a head's copies
     # ‖g‖² summed over the tp shards: the same on every rank, so are fp16's skipped steps
     grad_norm = tensor_parallel.clip_grad_norm_tp(grad_owners, args.grad_clip, grid.tp_group)
     optimizer.step(grad_norm)                                   # fp32 masters; fp16 overflow: skipped

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import mappings
 import tensor_parallel
 
 IGNORE_INDEX = -100
@@ -30,7 +31,7 @@ IGNORE_INDEX = -100
 class VocabParallelEmbedding(nn.Module):
     """weight (V/t, C): rows [vocab_start, vocab_start + V/t) of the dense embedding."""
 
-    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=tensor_parallel.reduce_from_tp_region):
+    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=mappings.reduce_from_tp_region):
         super().__init__()
         self.weight = tensor_parallel.shard_parameter(weight, 0, tp_rank, tp_size)   # (V/t, C)
         self.vocab_start = tp_rank * self.weight.shape[0]

@@ -11,9 +11,8 @@ the partial results with the online-softmax (log-sum-exp) rule, as FlashAttentio
     step s = 0 … cp−1:  send my current K/V to rank+1, receive the next from rank−1   (overlapped)
                         attend my queries to the K/V block of rank (r − s) mod cp, merge
                         wait for the transfer
-Communication per layer and micro-batch (forward): cp−1 K/V blocks of 2·b·(s/cp)·h_kv elements sent
-per rank; backward: cp−1 K/V blocks plus cp dK/dV blocks (the gradients travel with their block
-and arrive home after the last hop). Activation memory per rank: 1/cp of the whole model's.
+Per rank, layer and micro-batch: cp−1 K/V blocks of 2·b·(s/cp)·h_kv elements sent forward, cp−1 K/V
+plus cp dK/dV blocks backward (README.md derives it); activation memory 1/cp of the whole model's.
 
 Layouts (--cp-layout). The sequence is cut into equal chunks; a tile (query chunk, key chunk) is
 computed fully below the diagonal, with the causal mask on it, and skipped above it:
@@ -95,7 +94,9 @@ def tile_backward(q, k, v, dout, lse, delta, causal):
     dv = p.transpose(-2, -1) @ dout                                        # (B, nh, c, hd)
     ds = p * (dout @ ve.transpose(-2, -1) - delta[..., None]) / math.sqrt(hd)
     dq, dk = ds @ ke, ds.transpose(-2, -1) @ q
-    fold = lambda t: t.view(B, nkv, groups, c, hd).sum(2)                  # (B, nkv, c, hd)
+
+    def fold(t):                             # (B, nh, c, hd) -> (B, nkv, c, hd): Σ over a kv head's q heads
+        return t.view(B, nkv, groups, c, hd).sum(2)
     return dq, fold(dk), fold(dv)
 
 
@@ -184,6 +185,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dq = torch.zeros_like(q)
         q_c, do_c, lse_c, delta_c, dq_c = (t.chunk(n, dim=2) for t in (q, dout, lse, delta, dq))
         kv = torch.stack([k, v])                                           # (2, B, nkv, T/cp, hd)
+        dkv_in, dkv_requests = None, []      # the dK/dV arriving from the rank before: none before step 1
         for step in range(size):
             if step < size - 1:
                 next_kv, kv_requests = ring_shift(kv, group, tag=0)

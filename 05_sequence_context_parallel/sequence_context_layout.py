@@ -47,8 +47,8 @@ def check_sequence_layout(args, config):
                          "the --attn core)")
     if args.cp_attn == "ulysses":
         tensor_parallel.check_tensor_parallel(config, args.tp)       # first: the heads per rank are whole
-        ulysses.check_ulysses(config.num_attention_heads // args.tp, max(1, config.num_key_value_heads // args.tp),
-                              args.cp)
+        ulysses.check_ulysses(config.num_attention_heads // args.tp,
+                              max(1, config.num_key_value_heads // args.tp), args.cp)
 
 
 def parallelize(model, args, grid):

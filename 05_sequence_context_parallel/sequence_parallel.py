@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import mixed_precision
 import comm
+import mappings
 import tensor_parallel
 
 
@@ -45,7 +46,7 @@ class GatherFromSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return tensor_parallel.all_gather_along(x, 1, group)
+        return mappings.all_gather_along(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -63,7 +64,7 @@ class ReduceScatterToSPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return tensor_parallel.all_gather_along(grad, 1, ctx.group), None
+        return mappings.all_gather_along(grad, 1, ctx.group), None
 
 
 def gather_from_sp_region(x, group):
@@ -76,7 +77,7 @@ def reduce_scatter_to_sp_region(x, group):
     return ReduceScatterToSPRegion.apply(x, group)
 
 
-SEQUENCE_PARALLEL = tensor_parallel.Regions(enter=gather_from_sp_region, exit=reduce_scatter_to_sp_region)
+SEQUENCE_PARALLEL = mappings.Regions(enter=gather_from_sp_region, exit=reduce_scatter_to_sp_region)
 
 
 def check_sequence_parallel(tp: int, local_seq_len: int):

@@ -38,6 +38,7 @@ import process_grid
 import comm
 import data_parallel
 import tensor_parallel
+import kv_replication
 import partition_activations
 import sequence_parallel
 import context_parallel
@@ -62,7 +63,7 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
     # over the cp×dp ranks: `ddp` was built on grid.cp_dp_group
     ddp.finish_gradients()                                      # wait (naive: all-reduce now); the mean
     grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
-    tensor_parallel.all_reduce_kv_replica_gradients(grad_owners)  # tp > kv heads: Σ over a head's copies
+    kv_replication.all_reduce_kv_replica_gradients(grad_owners)  # tp > kv heads: Σ over a head's copies
     # SP: each tp rank's norms saw T/(cp·tp) tokens, so their gradients are summed over tp, after
     # DP's asynchronous all-reduces (which read these gradients)
     if args.sp:
@@ -134,7 +135,8 @@ def run(args, config, dataset, grid):
 
 def main(argv=None):
     args, config, dataset = cli.setup(build_parser(), argv, check_layout)
-    with process_grid.distributed(args.device, dp=args.dp, cp=args.cp, tp=args.tp, timeout_s=args.timeout_s) as grid:
+    with process_grid.distributed(args.device, dp=args.dp, cp=args.cp, tp=args.tp,
+                                  timeout_s=args.timeout_s) as grid:
         return run(args, config, dataset, grid)
 
 

@@ -14,15 +14,12 @@ The V-shaped schedules (zb-v, dualpipev: v_schedules.py) place 2 chunks V-wise i
 blocks r and 2p−1−r, so a micro-batch goes down the ranks and back up, turns on rank p−1 without a
 message, and rank 0 holds both the embedding and the loss.
 
-Communication per micro-batch and block boundary: one send of mbs·T·C elements forward and one
-backward ([PB] App. 5.3.4: 4·mbs·T·C per micro-batch counting both ends); per rank and step:
-    sends = m·(2V − [first rank] − [last rank])  messages of mbs·T·C elements
-(only the first block sends no gradient and only the last block no activation).
+Communication: one mbs·T·C message each way per micro-batch and block boundary (point_to_point.py).
 Parameters, gradients and optimizer states shrink by p; the activations a stage holds do not
 (the schedule decides how many micro-batches are in flight, schedules.py).
 
-This file: validation, the stage modules cut from the full model, the point-to-point primitives, the
-gradient norm over all stages and the loss broadcast. The schedules are in schedules.py.
+This file: validation, the stage modules cut from the full model, the gradient norm over all stages and
+the loss broadcast. The point-to-point messages are in point_to_point.py, the schedules in schedules.py.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8
 New compared with 02: the model is cut by layers, not replicated; activations travel point to point.
@@ -33,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import model as modeling
-import process_grid
+import rope
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")             # two chunks per rank placed V-wise (v_schedules.py)
@@ -129,7 +125,7 @@ class PipelineStage(nn.Module):
             x = self.model.embed_tokens(x)                                    # (B, T) -> (B, T, C)
         positions = (self.position_ids if self.position_ids is not None
                      else torch.arange(x.shape[1], device=x.device))
-        cos, sin = modeling.rotary_cos_sin(positions, self.config, x.dtype)
+        cos, sin = rope.rotary_cos_sin(positions, self.config, x.dtype)
         aux = 0.0
         for layer in self.model.layers.values():
             x, layer_aux = layer(x, cos, sin)                                 # (B, T, C), () or 0.0
@@ -177,113 +173,6 @@ def single_device_name(name: str) -> str:
     """'1.model.layers.5.mlp.up_proj.weight' (chunk 1 of this rank) -> 01's
     'model.layers.5.mlp.up_proj.weight'."""
     return name.split(".", 1)[1]
-
-
-# ======================================================================================
-# Point to point: activations forward, gradients backward
-# ======================================================================================
-def direction_groups(grid, chunks: int):
-    """{(direction, descends): process group} with this rank's pipeline in each (collective: every rank
-    creates every pipeline's groups, in the same order).
-
-    Forward and backward messages get process groups of their own, and so do the hops whose forward
-    message goes down to a lower rank (`descends`: the ring's wrap from the last rank to the first
-    under interleaving, the V's way back up under zb-v and dualpipev): NCCL runs the sends and receives
-    between two ranks of one communicator in issue order, so a send waiting for its receiver must never
-    sit in front of a receive the receiver is itself waiting to complete. Within one group every pair
-    of ranks talks one way, both ends in the same micro-batch order, so each queue always matches."""
-    layout = process_grid.grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size)
-    pipelines = layout.permute(0, 2, 3, 1).reshape(-1, grid.pp_size).tolist()       # (dp·cp·tp, pp)
-    mine = {}
-    for key in [("F", False), ("B", False)] + ([("F", True), ("B", True)] if chunks > 1 else []):
-        for ranks in pipelines:
-            group = dist.new_group(ranks)
-            if grid.rank in ranks:
-                mine[key] = group
-    return mine
-
-
-class P2P:
-    """Sends and receives of (mbs, T, C) tensors between neighbouring blocks of one pipeline.
-
-    A send is asynchronous (`dist.isend`, completed at the end of the step), a receive blocks until
-    its tensor has arrived (`dist.irecv(...).wait()`), so the schedule only fixes the order of the
-    computations. Every message carries a tag naming (micro-batch, block boundary, direction): a
-    schedule that received out of order would fail loudly instead of mixing micro-batches up.
-    Each travels in the process group of its direction (`direction_groups`). The ring wraps
-    (rank p−1 -> rank 0) for interleaved chunks; V-wise (`v_shape`) the hop between rank p−1's two
-    blocks stays on the rank: the tensor is handed over in memory, no message.
-    """
-
-    def __init__(self, pp_ranks, pp_rank: int, groups: dict, chunks: int, shape, dtype, device,
-                 v_shape: bool = False):
-        self.ranks, self.rank, self.groups = pp_ranks, pp_rank, groups
-        self.p, self.chunks, self.shape, self.dtype, self.device = len(pp_ranks), chunks, shape, dtype, device
-        self.v_shape = v_shape
-        self.pending = []                                 # (work, tensor) of unfinished sends
-        self.sent = []                                    # (to pp rank, micro-batch, "F"/"B") of this step
-        self.local = {}                                   # (boundary, micro-batch, direction) -> tensor
-
-    def _tag(self, micro: int, boundary: int, direction: int):    # boundary b: between blocks b and b+1
-        return (micro * self.p * self.chunks + boundary) * 2 + direction
-
-    def _block(self, chunk: int):
-        return block_index(self.rank, chunk, self.p, self.v_shape)
-
-    def _rank_of(self, block: int):
-        return rank_of_block(block, self.p, self.v_shape)
-
-    def send_forward(self, x, micro: int, chunk: int):
-        """Activations (mbs, T, C) of block b to block b+1."""
-        self._send(x, self._block(chunk), micro, 0)
-
-    def recv_forward(self, micro: int, chunk: int):
-        """Activations (mbs, T, C) from block b−1; a leaf that will collect their gradient."""
-        return self._recv(self._block(chunk) - 1, micro, 0).requires_grad_()
-
-    def send_backward(self, dx, micro: int, chunk: int):
-        """Gradient (mbs, T, C) w.r.t. the input of block b, to block b−1."""
-        self._send(dx, self._block(chunk) - 1, micro, 1)
-
-    def recv_backward(self, micro: int, chunk: int):
-        """Gradient (mbs, T, C) w.r.t. the output of block b, from block b+1."""
-        return self._recv(self._block(chunk), micro, 1)
-
-    def _peer(self, boundary: int):
-        """(pp rank at the other end of `boundary` from this rank, whether its forward hop descends)."""
-        source, target = self._rank_of(boundary), self._rank_of(boundary + 1)
-        return (target if self.rank == source else source), target < source
-
-    def _send(self, tensor, boundary: int, micro: int, direction: int):
-        tensor = tensor.detach().to(self.dtype).contiguous()
-        to, descends = self._peer(boundary)
-        if to == self.rank:                               # the V's turn: rank p−1's chunk 0 <-> chunk 1
-            self.local[boundary, micro, direction] = tensor
-            return
-        group, tag = self.groups["FB"[direction], descends], self._tag(micro, boundary, direction)
-        self.pending.append((dist.isend(tensor, self.ranks[to], group=group, tag=tag), tensor))
-        self.sent.append((to, micro, "FB"[direction]))
-
-    def _recv(self, boundary: int, micro: int, direction: int):
-        source, descends = self._peer(boundary)
-        if source == self.rank:
-            return self.local.pop((boundary, micro, direction))
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, self.ranks[source], group=self.groups["FB"[direction], descends],
-                   tag=self._tag(micro, boundary, direction)).wait()
-        return buffer
-
-    def group_names(self) -> dict:
-        """id(group) -> name, for the communication meter."""
-        suffix = "_return" if self.v_shape else "_wrap"
-        return {id(g): f"pp_{kind}" + (suffix if descends else "")
-                for (kind, descends), g in self.groups.items()}
-
-    def finish(self):
-        """Wait for every send of the step (their buffers may be freed afterwards)."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 # ======================================================================================

@@ -82,7 +82,7 @@ def replay(events, p: int, chunks: int = 1, v_shape: bool = False, pairs: bool =
                 if not all(n in done for n in needs):
                     break
                 del queue[:len(unit)]
-                start = end = max([free[r]] + [done[n] for n in needs])
+                end = max([free[r]] + [done[n] for n in needs])
                 for e in unit:
                     replayed.append(Event(e.rank, e.op, e.micro, e.chunk, end, end + length[e]))
                     end += length[e]

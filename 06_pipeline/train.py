@@ -38,6 +38,7 @@ import process_grid
 import comm
 import data_parallel
 import pipeline
+import point_to_point
 import passes
 import schedules
 import timeline
@@ -94,8 +95,9 @@ def run(args, config, dataset, grid):
     del full                                                # the other stages' layers never existed
     optimizer = mixed_precision.MixedPrecisionOptimizer(stages.parameters(), args)   # AdamW on fp32 masters
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device, v_shape)
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks, shape,
+                             build.param_dtype(args), device, v_shape)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                            split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD,
                            scale_loss=optimizer.scale)                              # fp16: × S

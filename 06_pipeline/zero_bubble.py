@@ -14,18 +14,13 @@ is then an ordinary backward run while the store collects for (micro-batch, chun
 is a view into a flat buffer) through autograd's AccumulateGrad, whose gradient hooks 08's data
 parallelism listens to: matmuls only, no communication of its own. The split sits at the local matmul,
 before a row-parallel layer's exit collective (04's `linear_fn`), so every collective's backward runs
-once, in B. Parameters that are not matmul weights (embedding, norms) and the fused loss's weight
-(kernels/, whose gradient is computed inside its forward) get their gradients during B.
-Full recomputation composes: the recomputed linears queue their own X and dY during B (held until W,
-more than the layer inputs that full recomputation alone keeps).
+once, in B. What gets its gradient in B anyway, and how full recomputation composes: README.md.
 
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule zb-h1 --grad-acc 8
 
 `split_weight_gradients(stages, store)` applies it from outside: 04's parallel linears get their
 `linear_fn` swapped, every plain nn.Linear (q/k/v/o, gate/up/down, lm_head, 07's router and shared
-experts) its forward; 07's routed experts run as grouped matmuls on stacked weights, outside any
-nn.Linear's forward, so their weight gradients come during B. New compared with 1F1B: the backward in
-two passes (`train_step_zb_h1` orders them).
+experts) its forward. New compared with 1F1B: the backward in two passes (`train_step_zb_h1`).
 Shape legend: N tokens (…), in / out the layer's input / output features.
 """
 import contextlib

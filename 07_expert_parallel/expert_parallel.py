@@ -66,7 +66,8 @@ def expert_parallel_experts(experts, rows, counts, group):
     # hint: exchange the counts (ep, E/ep) with all_to_all_rows; send the rows to their experts' owners with
     #   AllToAll (splits: rows to and from each rank); group the received rows by local expert (a stable
     #   argsort), run_experts, undo the grouping, and AllToAll the outputs back with the splits swapped.
-    # test: tests/test_expert_parallel.py::test_ep2_layer_twin_and_dp2_ep2_matches_single_device[layer-twin-ep2]
+    # test: tests/test_expert_parallel.py::
+    #   test_ep2_layer_twin_and_dp2_ep2_matches_single_device[layer-twin-ep2]
     ep = dist.get_world_size(group)
     send_counts = counts.view(ep, -1)                                      # (ep, E/ep): to rank j's experts
     recv_counts = all_to_all_rows(send_counts, [1] * ep, [1] * ep, group)   # (ep, E/ep): from rank j to mine

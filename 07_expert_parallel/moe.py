@@ -147,7 +147,8 @@ class MoE(nn.Module):
         #   the top k; the weights p/Σ_k p (k ≥ 2) or p itself (k = 1). After the experts: each computed row
         #   back at its (token, choice) place (index_copy by `order`; a dropped row stays 0), and the weighted
         #   sum of a token's k choices.
-        # test: tests/test_expert_parallel.py::test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence
+        # test: tests/test_expert_parallel.py::
+        #   test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence
         logits = self.gate(x)                                                # (B, T, E)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # bf16 -> fp32
         probs = logits.softmax(dim=-1)                                       # (B, T, E)
@@ -157,7 +158,8 @@ class MoE(nn.Module):
         # end exercise
         expert_of_row = chosen.flatten()                                     # (n,) row = (token, choice)
         if self.capacity_factor:       # rows over capacity are not computed: output 0 (the residual only)
-            kept = routing.within_capacity(chosen, self.capacity(T), self.num_experts).flatten().nonzero().squeeze(1)
+            within = routing.within_capacity(chosen, self.capacity(T), self.num_experts)   # (B, T, k) bool
+            kept = within.flatten().nonzero().squeeze(1)                    # (n_kept,) rows within capacity
             order = kept[expert_of_row[kept].argsort(stable=True)]          # (n_kept,) kept rows by expert
         else:
             order = expert_of_row.argsort(stable=True)                       # (n,) rows grouped by expert

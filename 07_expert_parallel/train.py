@@ -2,7 +2,8 @@
 
 Playbook §2.7. The 01 model is built and seeded as everywhere, its MLPs are replaced by MoE blocks
 (moe.apply_moe: E seeded experts, top-k router, load-balancing loss returned by every layer; optional
-shared experts, capacity factor and router z-loss) and expert_parallel.apply_expert_parallel keeps E/ep experts per rank and routes tokens by all-to-all.
+shared experts, capacity factor and router z-loss) and expert_parallel.apply_expert_parallel keeps E/ep
+experts per rank and routes tokens by all-to-all.
 `--dp D --ep P`: D data-parallel ranks, each reading 1/D of the global batch (dp·mbs·grad_acc sequences);
 every P consecutive ones split the experts (P divides D). Dense gradients are averaged over dp, expert
 gradients summed over the D/P replicas and divided by D. Per rank: expert parameters, gradients and
@@ -10,7 +11,8 @@ optimizer states 1/ep; all-to-all bytes per MoE layer and micro-batch 2·(s_out 
 
     python 07_expert_parallel/train.py --num-experts 4 --top-k 2 --mbs 8          # one device: the reference
     torchrun --nproc_per_node 4 07_expert_parallel/train.py --dp 4 --ep 2 --mbs 2
-    torchrun --nproc_per_node 2 07_expert_parallel/train.py --dp 2 --ep 2 --shared-experts 1 --capacity-factor 1
+    torchrun --nproc_per_node 2 07_expert_parallel/train.py --dp 2 --ep 2 --shared-experts 1 \
+        --capacity-factor 1
 
 New in the step compared with 02: the loss includes α·aux, the experts' gradients are synchronised over
 other ranks than the dense ones (`sync_gradients`), and the norm counts each expert once; with a

@@ -12,16 +12,12 @@ chunk runs m forwards and m backwards per step (06's Pipeline says which backwar
     stage 2  in the chunk's last backward (B, or ZB's W): each unit reduce-scattered as it completes
     stage 3  + before the chunk's first forward: its units all-gathered, kept until that reduce-scatter
     then     / N, clip, AdamW, stages 1-2 all-gather; SP's and the kv replicas' sums over tp run on a
-             unit's full gradients just before its reduce-scatter (bf16-20: its fp32 buffer, into which
-             a hook added every micro-batch's bf16 .grad: the parameters' `main_grad`, 03's flat_unit.py)
+             unit's full gradients (bf16-20: their fp32 `main_grad`) just before its reduce-scatter
 
     ‖g‖² = Σ_pp [ Σ_tp Σ_dp ‖tp-sharded shard‖² + Σ_dp ‖replicated shard‖² + Σ_ep Σ_expert_dp ‖experts‖² ]
 
-Wire bytes per step in the dp group, e bytes per element, Ψ this rank's padded parameters: 2·(N−1)/N·eΨ
-for every stage (stage 3: one all-gather before the step's first forward, none after it), plus the norm
-squares; the experts are reduce-scattered after the schedule (an expert no token reached in a chunk's
-last micro-batch fires no hook there, and which one differs between ranks, which must issue their
-collectives in one order). Measured, and what stages 2-3 give up under PP: 08_5d_combined/README.md.
+Wire bytes per step in the dp group: 2·(N−1)/N·eΨ at every stage (e bytes per element, Ψ this rank's
+padded parameters) plus the norm squares; the experts' bytes, and what stages 2-3 give up under PP: README.md.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --tp 2 --pp 2 --zero-stage 3 --grad-acc 4
 
@@ -34,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-import tensor_parallel
+import kv_replication
 import sequence_parallel
 import moe
 
@@ -124,7 +120,7 @@ class DistributedOptimizer:
         the tokens, 05) and each replicated kv head's over the ranks holding it (04)."""
         norms = [p for p in params if p.global_name in self.norm_names]
         sequence_parallel.all_reduce_norm_gradients(norms, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(params)
+        kv_replication.all_reduce_kv_replica_gradients(params)
 
     def finish_gradients(self):
         """After the schedule: stage 1 reduce-scatters every unit, 2-3 the units not reduced yet (the

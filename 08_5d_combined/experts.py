@@ -9,15 +9,13 @@ not carry over to pipeline stages, tensor and context parallelism is done here:
     on the last stage and attaches it to the activations sent on elsewhere (gradient 1/m); the logged
     loss is the sum over the stages (`sum_over_stages`), averaged over the cp×dp replicas;
   * under CP every block's `stats_group` is the cp group, so the per-sequence statistics are summed
-    over the ranks that split each sequence (`routing.SumOverRanks` (07), whose backward is an all-reduce too);
+    over the ranks that split each sequence (07's `routing.SumOverRanks`, whose backward all-reduces too);
     expert gradients are summed over expert_dp (dp/ep and cp) and divided by cp·dp;
   * the gradient norm: ‖g‖² = ‖dense‖² (04's: tp shards summed once, stages summed)
                                + Σ_stages Σ_ep ‖experts‖² (each expert lives on one ep rank).
 Under TP (without SP) the experts are whole on every tp rank, like the norm weights (Megatron's
-expert-TP = 1). Not composed: --sp (each tp rank's block would see only its T/(cp·tp) tokens, so the
-router's and experts' gradients would be partial sums over tp), and --capacity-factor with --cp (the
-capacity is per sequence, split over the cp ranks). The derivations, including why
-SumOverRanks' backward sums: 08_5d_combined/README.md.
+expert-TP = 1). What is not composed (--sp; --capacity-factor with --cp), and the derivations (why
+SumOverRanks' backward sums): 08_5d_combined/README.md.
 
     torchrun --nproc_per_node 8 08_5d_combined/train.py --dp 2 --ep 2 --tp 2 --pp 2 --num-experts 4 \\
         --grad-acc 2

@@ -25,6 +25,7 @@ import contextlib
 import mixed_precision
 import data_parallel
 import tensor_parallel
+import kv_replication
 import sequence_parallel
 import expert_parallel
 import experts
@@ -95,7 +96,7 @@ class DataParallelSync:
             expert_parallel.sync_gradients([], self.expert_params, self.grid)
         if self.norm_weights:
             sequence_parallel.all_reduce_norm_gradients(self.norm_weights, self.grid.tp_group)
-        tensor_parallel.all_reduce_kv_replica_gradients(self.dense + self.expert_params)
+        kv_replication.all_reduce_kv_replica_gradients(self.dense + self.expert_params)
 
     def clip_gradients(self, max_norm):
         if self.expert_params:
@@ -121,8 +122,9 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
     where ZeRO-3 draws the values of the stages' meta parameters, only its shards."""
     if args.zero_stage:
         view = experts.stage_view(stages) if args.num_experts else None
+        accumulation = mixed_precision.layout_of(args).accumulation
         sync = distributed_optimizer.DistributedOptimizer(stages, grid, args.zero_stage, view, norm_weights,
-                                                          mixed_precision.layout_of(args).accumulation, source)
+                                                          accumulation, source)
         return sync, mixed_precision.MixedPrecisionOptimizer(sync.shards, args, hooks=False)
     optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,
@@ -131,4 +133,4 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
 
 def tp_kv_replicas(args) -> int:
     """How many tp ranks hold each kv head (04's rule), from the flags alone (before the model exists)."""
-    return tensor_parallel.kv_replicas(args.num_kv_heads, args.tp)
+    return kv_replication.kv_replicas(args.num_kv_heads, args.tp)

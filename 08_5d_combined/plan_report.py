@@ -15,7 +15,7 @@ def print_plan(args, config, layout):
     """Print the plan of `layout` for the parsed flags; returns ({stage: memory}, {stage: bytes sent})."""
     world = args.dp * args.pp * args.cp * args.tp
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
-    whole = planner.Layout(num_experts=args.num_experts)                          # the whole model on one rank
+    whole = planner.Layout(num_experts=args.num_experts)                     # the whole model on one rank
     total = sum(planner.stage_parameters(config, whole, 0))
     print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
           f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "

@@ -6,21 +6,17 @@ ZeRO §5 and §7, Korthikanti et al. 2022 (activations), Megatron-LM §4.2.2 (co
 with the trainers' own rules and prints, per rank of the first and last pipeline stage:
 
   memory     weights, gradients and optimizer states of Ψ parameters (--precision mixed: ZeRO's
-             2 + 2 + 12 bytes, not the cheat-sheet's 18, E8: the bf16-16 layout 01 and 03 train; fp32:
-             4 + 4 + 8), ZeRO-1/2/3 sharding over the N = dp·cp ranks (the gradient shard in its reduce
-             dtype: bf16-20's fp32; with pp > 1 08's ZeRO-2/3 reduce once per step: the full gradients,
-             and ZeRO-3's gathered stage, are held through it);
-             activations by 01's Korthikanti estimate for the micro-batches the schedule holds; the last
-             stage's fp32 logits
+             2 + 2 + 12 bytes, not the cheat-sheet's 18, E8), ZeRO-1/2/3 sharding over the N = dp·cp
+             ranks; activations by 01's Korthikanti estimate for the micro-batches the schedule holds;
+             the last stage's fp32 logits
   traffic    bytes each dimension sends per step (tp, cp, pp, dp, ep), by 02-07's formulas
   bubble     06's theory: (p−1)/m, (p−1)/(V·m) interleaved, (p−1)/(3m) ZB-H1 and DualPipeV, (p−1)/(6m) ZB-V
   overlap    t_comm/t_compute per dimension (App. 5.3), e.g. dp e·(N−1)/(2N·tokens)·peak/bw (E6: the
              playbook's form is dimensionally wrong) and tp e·(t−1)/(2h)·peak/bw (E9), intra- or
              inter-node by the rank order [TP, CP, PP, DP]; EXPOSED where a ratio exceeds 1
 
-Every formula, term by term: 08_5d_combined/README.md. tests/test_5d_combined.py checks the bytes and
-the states against what the trainer's ranks really hold and send. `--search` chooses the layout instead
-(search.py: every layout that fits, ranked by estimated step time; --arch gpt plans Megatron's GPT).
+Every formula, term by term: README.md; tests/test_5d_combined.py checks them against the ranks' bytes.
+`--search` chooses the layout instead (search.py, step_time.py; --arch gpt plans Megatron's GPT).
 
     python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 \\
         --pp 2 --zero-stage 1 --recompute selective --gpu-mem 80 --peak-tflops 989 --bw-intra 450 \\

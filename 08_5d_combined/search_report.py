@@ -1,9 +1,9 @@
 """What `planner.py --search` prints: the playbook's three steps, the fastest layouts term by term, why the
 first one wins, the training time, and (--plot) its memory per pipeline stage as a PNG.
 
-The arithmetic is search.py's; this file only reads its plans. A plan's step time is printed as the sum of
-its parts: compute, the exposed communication of each dimension, and the bubble's share (the bubble
-stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
+The arithmetic is search.py's and step_time.py's; this file only reads their plans. A plan's step time is
+printed as the sum of its parts: compute, the exposed communication of each dimension, and the bubble's
+share (the bubble stretches every per-micro-batch term: (compute + tp + cp + pp + ep) · bubble).
 
     python 08_5d_combined/planner.py --search --gpus 1024 --gpu a100 --arch gpt --hidden-size 12288 \\
         --num-layers 96 --num-heads 96 --seq-len 2048 --global-batch-tokens 3145728 --train-tokens 300e9
@@ -14,6 +14,7 @@ import math
 
 import cli_checks
 import search
+import step_time
 import planner
 
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble")
@@ -140,13 +141,13 @@ def main(args, parser):
     try:
         config = search.model_config(args)
         check_search(args)
-        cluster = search.cluster_of(args)
+        cluster = step_time.cluster_of(args)
     except ValueError as error:
         parser.error(str(error))
     batch = args.global_batch_tokens // args.seq_len
     plans, pruned = search.search(args, config, cluster, batch)
     params = sum(planner.stage_parameters(config, planner.Layout(num_experts=args.num_experts), 0))
-    flops = search.flops_per_token(config, args.seq_len, "none", args.num_experts, args.top_k)
+    flops = step_time.flops_per_token(config, args.seq_len, "none", args.num_experts, args.top_k)
     print(f"model: {params / 1e9:.1f}B parameters ({args.arch}), h {config.hidden_size}, L "
           f"{config.num_hidden_layers}, heads {config.num_attention_heads}/{config.num_key_value_heads}, "
           f"ffn {config.intermediate_size}, vocab {config.vocab_size}; {args.precision} precision")
@@ -170,11 +171,11 @@ def main(args, parser):
     print(f"step 2, batch: every layout kept splits {batch} sequences as dp × mbs × m (grad-acc)")
     print("step 3, throughput: the fastest by estimated step time, and its parts in % of it: compute, the")
     print("  exposed communication, the bubble's share (X: TFLOP/s per GPU, recomputation included)")
+    parts = "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
     print(f"{'#':>3}{'dp':>5}{'tp':>4}{'pp':>4}{'cp':>4}{'ep':>4}{'sp':>4}{'zero':>5}  {'recompute':<10}"
-          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + "".join(f"{k[:4] if k == 'compute' else k:>7}" for k in PARTS)
-          + f"{'X':>6}")
+          f"{'schedule':<15}{'mbs':>4}{'m':>6}{'GB':>7}{'step s':>9}" + parts + f"{'X':>6}")
     for rank, plan in enumerate(plans[:args.top], 1):
-        executed = search.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
+        executed = step_time.flops_per_token(config, args.seq_len, plan.layout.recompute, args.num_experts,
                                           args.top_k) * batch * args.seq_len
         print(row(rank, plan, executed, cluster.gpus))
     print("why #1:")
@@ -182,13 +183,14 @@ def main(args, parser):
         print(f"  {line}")
     if args.train_tokens:
         best = plans[0]
-        per_token = search.flops_per_token(config, args.seq_len, best.layout.recompute, args.num_experts,
+        per_token = step_time.flops_per_token(config, args.seq_len, best.layout.recompute, args.num_experts,
                                            args.top_k)
         x = per_token * batch * args.seq_len / (best.times["step"] * cluster.gpus)
         days = args.train_tokens / (batch * args.seq_len) * best.times["step"] / 86400
+        megatron_days = step_time.training_days(args.train_tokens, params, cluster.gpus, x)
         print(f"training on {args.train_tokens:.3g} tokens: {days:.1f} days at #1's step time;\n"
-              f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} TFLOP/s: "
-              f"{search.training_days(args.train_tokens, params, cluster.gpus, x):.1f} days")
+              f"  Megatron-LM §5.1's 8·T·P/(n·X) (8: full recomputation) with its X = {x / 1e12:.0f} "
+              f"TFLOP/s: {megatron_days:.1f} days")
     if args.plot:
         gpu_gb = cluster.memory / 1e9 + args.mem_reserve
         plot_memory(config, plans[0], args.seq_len, cluster, args.plot, gpu_gb)

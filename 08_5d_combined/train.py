@@ -45,6 +45,7 @@ import process_grid
 import comm
 import sequence_parallel
 import pipeline
+import point_to_point
 import passes
 import schedules
 import timeline
@@ -157,7 +158,8 @@ def run(args, config, dataset, grid):
     # ZeRO-3 (6.) draws only its flat shards from `source`, by global name and block (03)
     source = build.source(full, args) if args.zero_stage == 3 else None
     if source is None:
-        build.materialize(full, args, keep=stages.parameters())  # only this rank's shards of its stages get values
+        # only this rank's shards of its stages get values
+        build.materialize(full, args, keep=stages.parameters())
     del full                                               # the other stages' layers never existed
     norm_weights = sequence_parallel.norm_weights(stages) if args.sp else []
     dense, expert_params = moe.split_parameters(experts.stage_view(stages))   # (every parameter, []) if dense
@@ -165,9 +167,10 @@ def run(args, config, dataset, grid):
     # 6. DP or ZeRO, and 01's AdamW (fp32 masters) on its shards
     sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args, source)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks),
-                       args.pp_chunks, shape, build.param_dtype(args), device,    # (mbs, T/cp[/tp], C)
-                       v_shape=args.pp_schedule in pipeline.V_SHAPED)
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
+                             shape, build.param_dtype(args), device,                    # (mbs, T/cp[/tp], C)
+                             v_shape=args.pp_schedule in pipeline.V_SHAPED)
     pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
                            split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync,
                            scale_loss=optimizer.scale)                             # fp16: × S

@@ -153,6 +153,7 @@ def run_all(args, timer, peaks, gpu=None):
     from kernels import fused_linear_cross_entropy as flce
     from kernels import flash_attention as fa
     import model as modeling
+    import rope
     rows, memory = [], []
     measure = functools.partial(bench, rows, timer, peaks, gpu=gpu)     # adds one kernel's rows
     take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
@@ -178,7 +179,7 @@ def run_all(args, timer, peaks, gpu=None):
         q = randn(1, c // 128, n, 128)                                         # (B, nh, T, hd)
         head = modeling.LlamaConfig(hidden_size=128, num_attention_heads=1, num_key_value_heads=1,
                                     rope_theta=500000.0)                       # one Llama-3 head, hd 128
-        cos, sin = modeling.rotary_cos_sin(torch.arange(n, device=DEVICE), head, DTYPE)      # (T, hd)
+        cos, sin = rope.rotary_cos_sin(torch.arange(n, device=DEVICE), head, DTYPE)      # (T, hd)
         measure("rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
                 (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
 

@@ -111,8 +111,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, stride_qb, stride_qh
     offs_d = tl.arange(0, BLOCK_D)                    # padding columns of hd load as 0 and add nothing
 
     q_base = Q + b * stride_qb + h.to(tl.int64) * stride_qh
-    q = load_tile(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, offs_d, T, HEAD_DIM, BLOCK_D,
-                  True)                                                          # (BLOCK_M, BLOCK_D)
+    q = load_tile(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], offs_m, offs_d, T, HEAD_DIM,
+                  BLOCK_D, True)                                                 # (BLOCK_M, BLOCK_D)
     # Fold scale·log2 e into q once, so every S tile comes out in log2 units for exp2. In fp32: a bf16
     # tensor times a scalar stays bf16 in Triton, which would round the scale itself.
     q = (q.to(tl.float32) * qk_scale).to(q.dtype)

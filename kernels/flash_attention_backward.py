@@ -86,10 +86,10 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale, qk_scale, T
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n,
-                  offs_d, T, HEAD_DIM, BLOCK_D, True)                            # (BLOCK_N, BLOCK_D), on chip
-    v = load_tile(V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :], offs_n,
-                  offs_d, T, HEAD_DIM, BLOCK_D, True)
+    k = load_tile(K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                  offs_n, offs_d, T, HEAD_DIM, BLOCK_D, True)                    # (BLOCK_N, BLOCK_D), on chip
+    v = load_tile(V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                  offs_n, offs_d, T, HEAD_DIM, BLOCK_D, True)
     # scale·log2 e folded in once (in fp32, then back), so Sᵀ comes out in log2 units
     k_scaled = (k.to(tl.float32) * qk_scale).to(k.dtype)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -136,10 +136,10 @@ def _dq_inner(dq, q_scaled, do, lse, delta, k_base, v_base, stride_kt, stride_vt
     # Key blocks [lo, hi) past the resident queries.
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols, offs_d, T, HEAD_DIM, BLOCK_D,
-                      MASKED)                                                    # (BLOCK_N, BLOCK_D)
-        v = load_tile(v_base + cols[:, None] * stride_vt + offs_d[None, :], cols, offs_d, T, HEAD_DIM, BLOCK_D,
-                      MASKED)
+        k = load_tile(k_base + cols[:, None] * stride_kt + offs_d[None, :], cols, offs_d, T, HEAD_DIM,
+                      BLOCK_D, MASKED)                                           # (BLOCK_N, BLOCK_D)
+        v = load_tile(v_base + cols[:, None] * stride_vt + offs_d[None, :], cols, offs_d, T, HEAD_DIM,
+                      BLOCK_D, MASKED)
         s = tl.dot(q_scaled, tl.trans(k), input_precision=PRECISION)            # (BLOCK_M, BLOCK_N), log2
         p = tl.exp2(s - lse[:, None])
         if MASKED:
@@ -223,8 +223,8 @@ def attention_backward(q, k, v, o, lse, do, causal: bool, scale: float, precisio
     diag = max(16, streamed // 2)                     # tl.dot's smallest tile is 16
     block_d = max(16, triton.next_power_of_2(D))
     delta = torch.empty_like(lse)                                                # (B, nh, T)
-    _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](o, do, delta, T, H, *strides(o), *strides(do), HEAD_DIM=D,
-                                                      BLOCK_D=block_d, BLOCK_M=64)
+    _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](o, do, delta, T, H, *strides(o), *strides(do),
+                                                      HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=64)
     dq = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     dk, dv = (torch.empty((B, H_KV, T, D), dtype=k.dtype, device=k.device) for _ in range(2))
     tensors = (q, k, v, do, lse, delta)
@@ -234,6 +234,6 @@ def attention_backward(q, k, v, o, lse, do, causal: bool, scale: float, precisio
         *tensors, dk, dv, scale, scale * LOG2E, T, H, H_KV, *layout, *strides(dk), BLOCK_M=streamed,
         BLOCK_N=owned, BLOCK_M_DIAG=diag, **common)
     _dq_tuned[(triton.cdiv(T, owned), B * H)](
-        *tensors, dq, scale, scale * LOG2E, T, H, H_KV, *layout, *strides(dq), BLOCK_M=owned, BLOCK_N=streamed,
-        BLOCK_N_DIAG=diag, **common)
+        *tensors, dq, scale, scale * LOG2E, T, H, H_KV, *layout, *strides(dq), BLOCK_M=owned,
+        BLOCK_N=streamed, BLOCK_N_DIAG=diag, **common)
     return dq, dk, dv

@@ -80,7 +80,8 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK
             tl.store(logits_row + cols, tl.where(valid, grad, 0.0).to(LOGITS.dtype.element_ty), mask=cols < V)
 
 
-MIN_CHUNK_ROWS = 1024   # thinner chunks re-read W (V, C) three times each, and their GEMMs starve the tensor cores
+# thinner chunks re-read W (V, C) three times each, and their GEMMs starve the tensor cores
+MIN_CHUNK_ROWS = 1024
 
 
 def default_chunk(n_tokens: int, hidden_size: int, vocab: int) -> int:

@@ -170,7 +170,8 @@ def tests_record(files, status: str, junit: Path) -> dict:
     if junit.exists():
         import xml.etree.ElementTree as ET
         cases = list(ET.parse(junit).getroot().iter("testcase"))
-        counts = [next((t.tag for t in c if t.tag in ("failure", "error", "skipped")), "passed") for c in cases]
+        counts = [next((t.tag for t in c if t.tag in ("failure", "error", "skipped")), "passed")
+                  for c in cases]
         record.update({k: counts.count(k) for k in ("passed", "failure", "error", "skipped")},
                       failed_names=[f"{c.get('classname')}::{c.get('name')}" for c, o in zip(cases, counts)
                                     if o in ("failure", "error")])

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import model as modeling                          # 01_single_gpu/model.py
+import rope
 
 KERNEL_CHOICES = ("torch", "triton")
 ATTN_CHOICES = ("sdpa", "eager", "triton")
@@ -85,7 +86,7 @@ def apply_kernels(model, kernels: str = "torch", attn: str = "sdpa"):
         from kernels.rope import apply_rotary as rope_fn
         from kernels.fused_linear_cross_entropy import fused_lm_head_loss as loss_fn
     else:
-        make_norm, act_fn, rope_fn, loss_fn = (_torch_rmsnorm, modeling.silu_mul, modeling.apply_rotary,
+        make_norm, act_fn, rope_fn, loss_fn = (_torch_rmsnorm, modeling.silu_mul, rope.apply_rotary,
                                                modeling.cross_entropy_loss)
     if attn == "triton":
         from kernels.flash_attention import causal_flash_attention as attn_fn

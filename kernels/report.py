@@ -70,19 +70,22 @@ def legacy_lines(device: str) -> list:
     peaks = result["peaks"]
     lines = [f"**{result['device']}** (driver {driver}, CUDA {result['cuda']}; torch {result['torch']}, "
              f"Triton {result['triton']}), {result['date']}. Measured there: a bf16 8192³ matmul at "
-             f"{peaks['matmul_bf16_tflops']:.0f} TFLOP/s, a device-to-device copy at {peaks['copy_gbps']:.0f} GB/s.",
+             f"{peaks['matmul_bf16_tflops']:.0f} TFLOP/s, a device-to-device copy at "
+             f"{peaks['copy_gbps']:.0f} GB/s.",
              "", f"Training, `{command.split(' --kernels')[0]}` (medians of steps "
              f"{WARM_UP_STEPS + 1}-{WARM_UP_STEPS + training[0][5]}; MFU against "
              f"{metrics.PEAK_TFLOPS[result['device'].split()[-1]]:.0f} TFLOP/s dense bf16; "
              f"[01_single_gpu/results/{device}/](01_single_gpu/results/{device}/)):", "",
              "| `--kernels` | `--attn` | tokens/s | MFU | allocator peak |", "|---|---|---|---|---|"]
-    lines += [f"| {k} | {a} | {tps:,.0f} | {mfu:.1%} | {gib:.1f} GiB |" for k, a, tps, mfu, gib, _ in training]
-    lines += ["", f"Kernels at their largest shape, bf16, milliseconds (`python kernels/bench.py --no-compile`; "
-              f"every shape: [kernels/results/{device}.md](kernels/results/{device}.md)):", "",
+    lines += [f"| {k} | {a} | {tps:,.0f} | {mfu:.1%} | {gib:.1f} GiB |"
+              for k, a, tps, mfu, gib, _ in training]
+    lines += ["", f"Kernels at their largest shape, bf16, milliseconds (`python kernels/bench.py "
+              f"--no-compile`; every shape: [kernels/results/{device}.md](kernels/results/{device}.md)):", "",
               "| kernel | shape | pass | eager | SDPA (flash) | Triton | Triton, of the measured peak |",
               "|---|---|---|---|---|---|---|"]
     for (kernel, shape, pass_), impls in kernel_rows(result).items():
-        ms = [f"{impls[i]['ms']:.3f}" if i in impls and impls[i]["ms"] else "-" for i in ("eager", "sdpa-flash", "triton")]
+        ms = [f"{impls[i]['ms']:.3f}" if i in impls and impls[i]["ms"] else "-"
+              for i in ("eager", "sdpa-flash", "triton")]
         triton = impls["triton"]
         lines.append(f"| {kernel} | {shape} | {pass_} | {' | '.join(ms)} | {triton['of_peak']:.0%} "
                      f"({triton['rate']:.0f} {triton['unit']}) |")
@@ -133,15 +136,17 @@ def train_lines(rows: list) -> list:
         return ["", "Training: no row ran within the budget."]
     first = ran[0]
     lines = ["", f"Training, `01_single_gpu/train.py --dataset {first['dataset']}`, seq {first['seq_len']}, "
-             f"micro-batch {first['mbs']} (medians of steps {WARM_UP_STEPS + 1}-{first['steps']}; MFU against "
-             f"{number(first['peak_tflops'], '.0f')} TFLOP/s dense bf16, {first['mfu_convention']}):", "",
-             "| model | vocab | `--kernels` | `--attn` | `--precision-layout` | compile | grad-acc | tokens/s "
-             "| MFU | allocator peak (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"micro-batch {first['mbs']} (medians of steps {WARM_UP_STEPS + 1}-{first['steps']}; MFU "
+             f"against {number(first['peak_tflops'], '.0f')} TFLOP/s dense bf16, {first['mfu_convention']}):",
+             "", "| model | vocab | `--kernels` | `--attn` | `--precision-layout` | compile | grad-acc "
+             "| tokens/s | MFU | allocator peak (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ran:
         measured = (f"{number(r['tokens_per_s'], ',.0f')} | {number(r['mfu'], '.1%')} | "
-                    f"{number(r['peak_memory_gib'], '.1f')}" if r["status"] == "ok" else f"{r['status']} | | ")
+                    f"{number(r['peak_memory_gib'], '.1f')}" if r["status"] == "ok"
+                    else f"{r['status']} | | ")
         lines.append(f"| {r['shape']} | {r['vocab_size']} | {r['kernels']} | {r['attn']} | "
-                     f"{r['precision_layout']} | {'yes' if r['compile'] else 'no'} | {r['grad_acc']} | {measured} |")
+                     f"{r['precision_layout']} | {'yes' if r['compile'] else 'no'} | {r['grad_acc']} | "
+                     f"{measured} |")
     if len(ran) < len(rows):
         lines += ["", f"Not run within the budget: {len(rows) - len(ran)} more rows of the matrix "
                   f"(records.jsonl names them)."]
@@ -156,7 +161,8 @@ def bench_lines(result: dict, record: dict, where) -> list:
     lines = ["", f"Kernels, bf16, milliseconds (`python kernels/bench.py {' '.join(record['argv'])}`; "
              f"[{where}/{record['file']}]({where}/{record['file']}) and .md):", "",
              "| kernel | shape | pass | eager | torch.compile | SDPA (flash) | Triton | "
-             + ("Triton, GPU time | launches, eager / Triton | " if gpu else "") + "Triton, of the measured peak |",
+             + ("Triton, GPU time | launches, eager / Triton | " if gpu else "")
+             + "Triton, of the measured peak |",
              "|---|---|---|---|---|---|---|---|" + "---|---|" * gpu]
     for (kernel, shape, pass_), by_impl in kernel_rows(result).items():
         ms = [number(by_impl[i].get("ms"), ".3f") if i in by_impl else "-" for i in impls]
@@ -165,7 +171,8 @@ def bench_lines(result: dict, record: dict, where) -> list:
         of_peak = (f"{triton['of_peak']:.0%} ({triton['rate']:.0f} {triton['unit']})"
                    if triton.get("ms") else "failed")
         lines.append(f"| {kernel} | {shape} | {pass_} | {' | '.join(ms)} | "
-                     + (f"{number(triton.get('gpu_ms'), '.3f')} | {launches} | " if gpu else "") + f"{of_peak} |")
+                     + (f"{number(triton.get('gpu_ms'), '.3f')} | {launches} | " if gpu else "")
+                     + f"{of_peak} |")
     return lines + ["", memory_sentence(result)] if result["memory"] else lines
 
 
@@ -205,7 +212,8 @@ def main(argv=None):
     readme = ROOT / "README.md"
     old = readme.read_text()
     if BEGIN not in old or END not in old:
-        raise SystemExit(f"README.md lacks the markers; put these two lines where the section goes:\n{BEGIN}\n{END}")
+        raise SystemExit(f"README.md lacks the markers; put these two lines where the section goes:\n"
+                         f"{BEGIN}\n{END}")
     start, stop = old.index(BEGIN), old.index(END) + len(END)
     readme.write_text(old[:start] + text + old[stop:])
 

@@ -14,7 +14,7 @@ kernels and four (B, nh, T, hd) temporaries. This kernel reads x once, reads the
 writes out once: fused 2·B·nh·T·hd·b + 2·T·hd·b' HBM bytes per call against eager's ≈ 10·B·nh·T·hd·b.
 
 Versions in this file:
-    v0  rope_reference   eager PyTorch, exactly `apply_rotary` of 01_single_gpu/model.py
+    v0  rope_reference   eager PyTorch, exactly `apply_rotary` of 01_single_gpu/rope.py
     v1  rope             Triton: one program per (batch·head, block of BLOCK_T positions), on the two
                          halves as two (BLOCK_T, hd/2) tiles; x read through its strides (no copy);
                          apply_rotary rotates q's and k's heads in one launch (one grid over both)

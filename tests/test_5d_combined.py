@@ -90,10 +90,10 @@ import process_grid
 import pipeline
 import timeline
 import cli
-combined = import_module("08_5d_combined.train")
 import layout_5d as layout_rules
 import planner
 import experts
+combined = import_module("08_5d_combined.train")
 
 STEPS = 2
 GROUPS = {"tp": {"tp"}, "cp": {"cp"},

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.run import get_args_parser
+import cli
+import layout_5d as layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "08_5d_combined" / "train.sbatch"
-import cli
-import layout_5d as layout
 
 
 def documented_command() -> list:

@@ -31,6 +31,7 @@ import memory
 import recompute
 import process_grid
 import comm
+import mappings
 import tensor_parallel
 import sequence_parallel
 import context_parallel
@@ -150,7 +151,7 @@ def measure(tp_grid, cp_grid, solo_grid):
     """Communication of one TP / TP+SP decoder layer and of ring attention; activation bytes."""
     out, ids = {}, torch.randint(0, V, (B, T + 1))
     x, y = ids[:, :-1], ids[:, 1:]
-    for name, regions in (("tp", tensor_parallel.TENSOR_PARALLEL), ("sp", sequence_parallel.SEQUENCE_PARALLEL)):
+    for name, regions in (("tp", mappings.TENSOR_PARALLEL), ("sp", sequence_parallel.SEQUENCE_PARALLEL)):
         model = tensor_parallel.apply_tensor_parallel(small_model(torch.float32), tp_grid, regions)
         h = torch.randn(B, T // (2 if name == "sp" else 1), C, requires_grad=True)
         cos, sin = model.model.rotary(torch.arange(T), torch.float32)

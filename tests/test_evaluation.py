@@ -21,6 +21,7 @@ import common
 from harness import layout_results, run_layouts
 
 import data
+import sampling
 EVAL = ["--eval-every", 1, "--eval-batches", 2]
 STEPS = 2
 PLOTS = tempfile.mkdtemp(prefix="test_evaluation_")      # ZeRO-3's --plot: every rank's bytes gathered
@@ -73,9 +74,9 @@ def test_held_out_windows_are_never_trained_on_and_evaluation_changes_nothing(tm
     trains exactly as one that evaluates only at the end (evaluation is forward only), and logs the
     eval loss on those steps only, in --json-log, the pictures and TensorBoard."""
     dataset = data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
-    train, held_out = data.split_held_out(dataset, 8)
+    train, held_out = sampling.split_held_out(dataset, 8)
     assert len(held_out) == 8 and len(train) + 8 == len(dataset)
-    sampler = data.GlobalBatchSampler(train, 1234, 4, 1)
+    sampler = sampling.GlobalBatchSampler(train, 1234, 4, 1)
     assert max(sampler._index(s) for s in range(3 * len(train))) == len(train) - 1    # three epochs
     assert held_out[0]["input_ids"].tolist() == dataset[len(train)]["input_ids"].tolist()
 

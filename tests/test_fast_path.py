@@ -16,12 +16,14 @@ import pytest
 import torch
 
 import common
-
-ROOT = Path(__file__).resolve().parents[1]
 import cli
 import data
+import sampling
 import model as modeling
+import rope
 import optim
+
+ROOT = Path(__file__).resolve().parents[1]
 train = import_module("01_single_gpu.train")
 
 
@@ -91,7 +93,7 @@ def _autocast_step(model, x, y):
 
 
 def old_rotary(q, k, cos, sin):   # before: fp32 angles promoted q and k to fp32
-    return q * cos + modeling.rotate_half(q) * sin, k * cos + modeling.rotate_half(k) * sin
+    return q * cos + rope.rotate_half(q) * sin, k * cos + rope.rotate_half(k) * sin
 
 
 def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
@@ -110,8 +112,8 @@ def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(torch.randn(2, 3, 64)).dtype == torch.bfloat16
         q, k = torch.randn(1, 4, 3, 16, dtype=torch.bfloat16), torch.randn(1, 2, 3, 16, dtype=torch.bfloat16)
-        cos, sin = modeling.rotary_cos_sin(torch.arange(3), config, torch.float32)
-        assert all(t.dtype == torch.bfloat16 for t in modeling.apply_rotary(q, k, cos, sin))
+        cos, sin = rope.rotary_cos_sin(torch.arange(3), config, torch.float32)
+        assert all(t.dtype == torch.bfloat16 for t in rope.apply_rotary(q, k, cos, sin))
     new_loss, new_grads = _autocast_step(model, x, y)
     monkeypatch.setattr(modeling, "to_compute_dtype", lambda x: x)
     for layer in model.model.layers:
@@ -147,8 +149,8 @@ def test_synthetic_windows_are_seeded_uniform_token_ids():
     assert not (windows[3]["input_ids"] == data.SyntheticWindows(1000, 511, seed=6)[3]["input_ids"]).all()
     ids = torch.cat([torch.from_numpy(windows[i]["input_ids"]) for i in range(40)])
     assert ids.min() == 0 and ids.max() == 999 and len(ids.unique()) > 990
-    one = data.GlobalBatchSampler(windows, seed=5, mbs=4, grad_acc=1).micro_batch(2, 0)[0]
-    dp2 = [data.GlobalBatchSampler(windows, seed=5, mbs=2, grad_acc=1, dp_size=2).micro_batch(2, 0, r)[0]
+    one = sampling.GlobalBatchSampler(windows, seed=5, mbs=4, grad_acc=1).micro_batch(2, 0)[0]
+    dp2 = [sampling.GlobalBatchSampler(windows, seed=5, mbs=2, grad_acc=1, dp_size=2).micro_batch(2, 0, r)[0]
            for r in (0, 1)]
     assert torch.equal(one, torch.cat(dp2))
 

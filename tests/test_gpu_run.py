@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 from kernels import gpu_run
 from kernels import child_process
 from kernels import report
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date", "clocks")
 TRAIN_FIELDS = ("vocab_size", "seq_len", "mbs", "grad_acc", "precision_layout", "kernels", "attn", "compile",

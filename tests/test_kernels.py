@@ -39,6 +39,7 @@ import triton  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import model as modeling
+import rope
 from kernels import rmsnorm as rms
 from kernels import swiglu as swi
 from kernels import rope as rot
@@ -116,7 +117,7 @@ def test_swiglu(dtype):
 def rope_tables(head_dim: int, T: int = 37):
     """The model's cos, sin (T, hd) for one head of this size, plain RoPE with theta 10000."""
     one_head = modeling.LlamaConfig(hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1)
-    return modeling.rotary_cos_sin(torch.arange(T), one_head, torch.float32)
+    return rope.rotary_cos_sin(torch.arange(T), one_head, torch.float32)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 24), (torch.bfloat16, 16)],

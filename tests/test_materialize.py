@@ -22,15 +22,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-
-ROOT = Path(__file__).resolve().parents[1]
 import model as modeling
 import global_state
 import materialize
 import hf_io
 import tensor_parallel
 import moe
+
+
+ROOT = Path(__file__).resolve().parents[1]
 CONFIG = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=4)
 

@@ -19,11 +19,12 @@ import torch
 import common
 
 import build
+import sampling
 import cli
 import memory
 import mixed_precision
-train = import_module("01_single_gpu.train")
 import planner
+train = import_module("01_single_gpu.train")
 
 LAYOUTS = {"autocast": ("bfloat16", "autocast"), "bf16-16": ("bfloat16", "bf16-16"),
            "bf16-20": ("bfloat16", "bf16-20"), "fp32": ("float32", "autocast")}
@@ -88,7 +89,7 @@ def test_bf16_16_gradient_norm_is_taken_in_fp32():
     args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
     model = build.materialize(build.build_model(args, config), args)
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
-    sampler = import_module("data").GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
+    sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, 1)
     _, norm = train.train_step(model, optimizer, [sampler.micro_batch(0, 0)], args)
     grads = [p.grad for p in model.parameters()]
     assert all(g.dtype == torch.bfloat16 for g in grads) and norm.dtype == torch.float32
@@ -125,8 +126,7 @@ def _layout_states(layout):
     initial = {k: v.float().clone() for k, v in model.state_dict().items()}
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
     report = memory.memory_report(model.parameters(), optimizer, activations=0)
-    import data
-    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
+    sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
     train.train_step(model, optimizer, [sampler.micro_batch(0, m) for m in range(2)], args)   # lr 3e-3
     trained = {k: v.float().clone() for k, v in model.state_dict().items()}
     return report, memory.held_state_bytes(model.parameters(), optimizer), trained, initial

@@ -18,6 +18,7 @@ import pytest
 
 import planner
 import search
+import step_time
 import memory
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 SMALL = ["--search", "--preset", "small", "--vocab-size", "32000", "--seq-len", "2048", "--gpus", "16",
@@ -26,7 +27,7 @@ SMALL = ["--search", "--preset", "small", "--vocab-size", "32000", "--seq-len", 
 
 def run_search(argv):
     args = planner.cli.parse_args(planner.build_parser(), argv, files=False)
-    config, cluster = search.model_config(args), search.cluster_of(args)
+    config, cluster = search.model_config(args), step_time.cluster_of(args)
     batch = args.global_batch_tokens // args.seq_len
     return args, config, cluster, *search.search(args, config, cluster, batch)
 
@@ -56,7 +57,7 @@ def test_every_plan_fits_passes_the_rules_and_splits_the_batch():
     assert plans and pruned[search.RULE_1] > 0
     for plan in plans:
         lay = plan.layout
-        memory = search.peak_memory(config, lay, args.seq_len, plan.mbs, plan.m)
+        memory = step_time.peak_memory(config, lay, args.seq_len, plan.mbs, plan.m)
         assert plan.memory == memory <= cluster.memory
         assert lay.dp * lay.tp * lay.pp * lay.cp == 16 and lay.tp <= 8
         assert lay.dp * plan.mbs * plan.m == 64
@@ -81,11 +82,11 @@ def test_step_time_is_the_sum_of_its_terms():
     tp exposed whole; the other dimensions' bytes / link bandwidth · max(0, 1 − 1/ratio); step =
     (compute + tp + cp + pp + ep)·(1 + bubble) + dp."""
     config = planner.cli.model_config(planner.cli.parse_args(planner.build_parser(), SMALL, files=False), 256)
-    cluster = search.Cluster(16, 8, 989e12, 76e9, 3.35e12, 450e9, 50e9, 0.5)
+    cluster = step_time.Cluster(16, 8, 989e12, 76e9, 3.35e12, 450e9, 50e9, 0.5)
     lay = planner.Layout(dp=4, tp=2, sp=True, pp=2, schedule="interleaved", chunks=2, zero_stage=1,
                          recompute="selective")
-    plan = search.estimate(config, lay, 2048, 2, 8, cluster)
-    dense, expert = search.layer_flops(config, 2048, "selective")
+    plan = step_time.estimate(config, lay, 2048, 2, 8, cluster)
+    dense, expert = step_time.layer_flops(config, 2048, "selective")
     flops = 8 * 2 * 2048 * (config.num_hidden_layers // 2 * dense / 2 + 6 * config.hidden_size * 32000 / 2)
     rows, k, n = 2 * 2048, 512, 512 // 2                     # a (b·s, h) × (h, h/t) GEMM in 2-byte elements
     assert plan.intensity == pytest.approx(2 * rows * k * n / (2 * (rows * k + k * n + rows * n)), rel=1e-12)
@@ -126,11 +127,11 @@ def test_gpu_flags_override_the_datasheet():
     replace them, and --mem-reserve comes off the memory."""
     args = planner.cli.parse_args(planner.build_parser(), SMALL + ["--gpu", "a100"], files=False)
     expected = (16, 8, 312e12, 4e9, 2.039e12, 300e9, 25e9, 0.45)
-    assert astuple(search.cluster_of(args)) == pytest.approx(expected)
+    assert astuple(step_time.cluster_of(args)) == pytest.approx(expected)
     args = planner.cli.parse_args(planner.build_parser(), SMALL[:-2] + [
         "--peak-tflops", "500", "--hbm-tbps", "2", "--bw-intra", "100", "--bw-inter", "10",
         "--mem-reserve", "0", "--mfu", "0.3", "--gpus-per-node", "4"], files=False)
-    assert astuple(search.cluster_of(args)) == pytest.approx((16, 4, 500e12, 80e9, 2e12, 100e9, 10e9, 0.3))
+    assert astuple(step_time.cluster_of(args)) == pytest.approx((16, 4, 500e12, 80e9, 2e12, 100e9, 10e9, 0.3))
 
 
 def test_plot_writes_the_memory_of_the_chosen_layout(tmp_path, capsys):

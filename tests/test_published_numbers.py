@@ -14,6 +14,7 @@ import pytest
 
 import planner
 import search
+import step_time
 import model as modeling
 
 V, S = 51200, 2048          # Megatron-LM §5.1: GPT-2's vocabulary padded to 51,200; sequences of 2048
@@ -58,27 +59,27 @@ def test_megatron_table1_parameter_counts(row):
 @pytest.mark.parametrize("row", ROWS)
 def test_megatron_flops_per_iteration_and_throughput(row):
     """Megatron-LM §5.1: F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per iteration with full
-    recomputation, which the planner's FLOP model (search.flops_per_token × B·s) equals to float rounding.
+    recomputation, which the planner's FLOP model (step_time.flops_per_token × B·s) equals to float rounding.
     Table 1's "% of peak" is X over the A100's 312 TFLOP/s of the planner's GPU table (X is printed to
     1 TFLOP/s, the percentage to 1%: tolerance 0.5% + 0.5/312), and the aggregate is n·X (printed to
     0.1 PFLOP/s, X to 1 TFLOP/s: tolerance n·0.5 TFLOP/s + 0.05 PFLOP/s)."""
     _, heads, hidden, layers, _, _, gpus, batch, x, percent, aggregate = row
     config = gpt(heads, hidden, layers)
-    flops = search.flops_per_token(config, S, "full") * batch * S
+    flops = step_time.flops_per_token(config, S, "full") * batch * S
     paper = 96 * batch * S * layers * hidden ** 2 * (1 + S / (6 * hidden) + V / (16 * layers * hidden))
     assert flops == pytest.approx(paper, rel=1e-12)
-    assert 100 * x / search.GPUS["a100"].peak_tflops == pytest.approx(percent, abs=0.5 + 50 / 312)
+    assert 100 * x / step_time.GPUS["a100"].peak_tflops == pytest.approx(percent, abs=0.5 + 50 / 312)
     assert gpus * x / 1000 == pytest.approx(aggregate, abs=gpus * 0.5 / 1000 + 0.05)
 
 
 def test_megatron_training_time_estimates():
     """Megatron-LM §5.1: end-to-end time ≈ 8·T·P/(n·X). GPT-3 (175B, T = 300B tokens, n = 1024 A100s,
     X = 140 TFLOP/s): "34 days"; the 1T model (Table 1's last row, T = 450B, n = 3072, X = 163): "84 days".
-    search.training_days with the planner's parameter counts, to the whole day the paper prints."""
+    step_time.training_days with the planner's parameter counts, to the whole day the paper prints."""
     gpt3, trillion = parameters(gpt(96, 12288, 96)), parameters(gpt(160, 25600, 128))
     assert round(gpt3 / 1e9, 1) == 174.6                                   # Table 2's count of GPT-3
-    assert search.training_days(300e9, gpt3, 1024, 140e12) == pytest.approx(34, abs=0.5)
-    assert search.training_days(450e9, trillion, 3072, 163e12) == pytest.approx(84, abs=0.5)
+    assert step_time.training_days(300e9, gpt3, 1024, 140e12) == pytest.approx(34, abs=0.5)
+    assert step_time.training_days(450e9, trillion, 3072, 163e12) == pytest.approx(84, abs=0.5)
 
 
 # Megatron-LM Table 2: (scheme, P, GPUs, X, days for 300B tokens); 174.6B is GPT-3 (96 layers, h 12288),
@@ -99,7 +100,7 @@ def test_megatron_table2_training_days(row):
     _, billions, gpus, x, days = row
     config = gpt(96, 12288, 96) if billions == 174.6 else gpt(128, 20480, 105)
     assert round(parameters(config) / 1e9, 1) == billions
-    estimate = 300e9 * search.flops_per_token(config, S, "full") / (gpus * x * 1e12) / 86400
+    estimate = 300e9 * step_time.flops_per_token(config, S, "full") / (gpus * x * 1e12) / 86400
     assert estimate == pytest.approx(days, abs=days * 0.5 / x + 0.5)
 
 
@@ -112,7 +113,7 @@ def megatron_search(gpus, batch, config):
             str(batch * S), "--search-zero", "0", "--search-recompute", "full", "--search-sp", "no",
             "--max-cp", "1", "--search-schedules", "1f1b,interleaved"]
     args = planner.cli.parse_args(planner.build_parser(), argv, files=False)
-    plans, _ = search.search(args, config, search.cluster_of(args), batch)
+    plans, _ = search.search(args, config, step_time.cluster_of(args), batch)
     return plans
 
 
@@ -151,9 +152,9 @@ def test_gpt3_175b_layout_and_days():
     plans = megatron_search(1024, 1536, config)
     best = plans[0]
     assert (best.layout.tp, best.layout.pp) == (8, 8)
-    x = search.flops_per_token(config, S, "full") * 1536 * S / (best.times["step"] * 1024)
+    x = step_time.flops_per_token(config, S, "full") * 1536 * S / (best.times["step"] * 1024)
     assert x / 1e12 == pytest.approx(126, abs=0.5)
-    assert search.training_days(300e9, parameters(config), 1024, 140e12) == pytest.approx(34, abs=0.5)
+    assert step_time.training_days(300e9, parameters(config), 1024, 140e12) == pytest.approx(34, abs=0.5)
 
 
 # ======================================================================================
@@ -191,7 +192,7 @@ def test_playbook_memory_table(name):
     assert count == published
     off = {1: 0.236, 7: -0.037, 70: 0.008, 405: 0.002}[name]
     assert count / n - 1 == pytest.approx(off, abs=5e-4)
-    assert (16 * count > search.GPUS["h100"].memory_gb * 1e9) == (name >= 7)
+    assert (16 * count > step_time.GPUS["h100"].memory_gb * 1e9) == (name >= 7)
 
 
 # ======================================================================================
@@ -244,13 +245,13 @@ def test_gpt175b_talk_recompute_overhead():
     in a FLOP count: the talk's figures are measured time, where the recomputed attention core (softmax,
     dropout, the s² score tensors) runs far below the GEMMs' rate that one MFU assumes for every FLOP."""
     config = gpt(96, 12288, 96)
-    flops = {r: search.flops_per_token(config, S, r) for r in ("none", "selective", "full")}
+    flops = {r: step_time.flops_per_token(config, S, r) for r in ("none", "selective", "full")}
     assert flops["full"] / flops["none"] - 1 == pytest.approx(0.332, abs=5e-4)
     assert flops["selective"] / flops["none"] - 1 == pytest.approx(0.0090, abs=5e-5)
-    forward = search.layer_flops(config, S, "none")[0] / 3
+    forward = step_time.layer_flops(config, S, "none")[0] / 3
     assert 4 * S * 12288 / forward == pytest.approx(0.027, abs=5e-4)
-    cluster = search.Cluster(1024, 8, 312e12, 76e9, 2.039e12, 300e9, 25e9, 0.45)
-    step = {r: search.estimate(config, planner.Layout(dp=16, tp=8, sp=True, pp=8, recompute=r), S, 1, 96,
+    cluster = step_time.Cluster(1024, 8, 312e12, 76e9, 2.039e12, 300e9, 25e9, 0.45)
+    step = {r: step_time.estimate(config, planner.Layout(dp=16, tp=8, sp=True, pp=8, recompute=r), S, 1, 96,
                                cluster).times["step"] for r in ("none", "selective", "full")}
     assert step["full"] / step["none"] - 1 == pytest.approx(0.330, abs=5e-4)
     assert step["selective"] / step["none"] - 1 == pytest.approx(0.0082, abs=5e-5)

@@ -10,6 +10,7 @@ import ast
 import io
 import re
 import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -25,7 +26,8 @@ def tracked_text_files():
                            check=True).stdout.split("\0")
     for name in filter(None, names):
         path = ROOT / name
-        if path.suffix not in (".png", ".safetensors") and path.is_file() and name != "tests/test_repository.py":
+        if (path.suffix not in (".png", ".safetensors") and path.is_file()
+                and name != "tests/test_repository.py"):
             yield name, path.read_text(errors="replace").splitlines()
 
 
@@ -44,7 +46,8 @@ def test_every_cited_erratum_is_explained_in_the_readme():
              for name, lines in files.items() for number, line in enumerate(lines, 1)
              for match in ERRATUM.finditer(line)}
     assert {"E6", "E16"} <= {erratum for _, _, erratum in cited}        # the pattern finds the citations
-    missing = [f"{name}:{number}: {erratum}" for name, number, erratum in sorted(cited) if erratum not in explained]
+    missing = [f"{name}:{number}: {erratum}" for name, number, erratum in sorted(cited)
+               if erratum not in explained]
     assert not missing, "\n".join(missing)
 
 
@@ -180,3 +183,85 @@ def test_no_trainer_writes_into_its_flags():
     fix = ("\nthese lines write into the flags: keep the derived value in a local, return it, or give it a "
            "field of a small object (where parsing completes the flags, cli.with_values makes a new one)")
     assert not found, "\n".join(found) + fix
+
+
+# ======================================================================================
+# Rules that keep themselves: short files, short docstrings, a pinned linter
+# ======================================================================================
+MAX_FILE_LINES, MAX_DOCSTRING_LINES = 300, 25
+
+
+def technique_files() -> list:
+    """Every NN_*/*.py and kernels/*.py file: what a student reads."""
+    return sorted(ROOT.glob("[0-9][0-9]_*/*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+
+
+def test_every_file_is_at_most_300_lines():
+    """One technique per file, short enough to read in one sitting: every NN_*/*.py and kernels/*.py file
+    holds at most 300 lines. A longer one is split by idea (a technique, its primitives, its bookkeeping),
+    never at an arbitrary line."""
+    files = technique_files()
+    assert len(files) > 60                                   # the listing worked: every folder is read
+    found = [f"{path.relative_to(ROOT)}: {lines} lines, more than {MAX_FILE_LINES}: split it by idea into a "
+             f"file of its own (one technique per file), then update the importers and the folder README's "
+             f"file table"
+             for path in files if (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not found, "\n".join(found)
+
+
+def long_docstrings(source: str, limit: int = MAX_DOCSTRING_LINES) -> list:
+    """(line, name, lines) of the module, class and function docstrings of `source` with more than `limit`
+    lines of text (as `ast.get_docstring` cleans it: its indentation and surrounding blank lines removed)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node)
+            if text is not None and len(text.splitlines()) > limit:
+                found.append((node.body[0].lineno, getattr(node, "name", "module"), len(text.splitlines())))
+    return found
+
+
+def test_every_docstring_is_at_most_25_lines():
+    """A docstring says what a thing is, where it comes from and how to run it, in at most 25 lines; the
+    derivations, worked outputs and errata belong in the folder's README. The detector on docstrings it
+    must flag and pass (module, class, function), then every NN_*/*.py and kernels/*.py file."""
+    def text(n):
+        return '"""' + "\n".join(f"line {i}" for i in range(n)) + '"""'
+    assert long_docstrings(text(26)) == [(1, "module", 26)]
+    assert long_docstrings(f"class A:\n    {text(26)}\n") == [(2, "A", 26)]
+    assert long_docstrings(f"def f():\n    {text(30)}\n    return 1\n") == [(2, "f", 30)]
+    assert long_docstrings(f"{text(25)}\ndef f():\n    {text(25)}\n") == []
+    found = [f"{path.relative_to(ROOT)}:{line}: the docstring of {name} has {lines} lines, more than "
+             f"{MAX_DOCSTRING_LINES}: move its derivation or worked example to the folder's README.md and "
+             f"point there"
+             for path in technique_files() for line, name, lines in long_docstrings(path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def pinned_ruff() -> str:
+    """The ruff version requirements.txt pins."""
+    pins = re.findall(r"^ruff==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
+    assert len(pins) == 1, "requirements.txt pins ruff once (ruff==X.Y.Z)"
+    return pins[0]
+
+
+def test_ruff_finds_nothing():
+    """The pinned linter on the whole repository: pyproject.toml's [tool.ruff] (the 110-column rule,
+    pycodestyle's errors and warnings, pyflakes). The installed ruff must be the pinned one, since another
+    version flags other lines; its own report is the message."""
+    version = subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True)
+    assert version.stdout.split()[-1:] == [pinned_ruff()], (
+        f"ruff {pinned_ruff()} is not what runs here ({(version.stdout or version.stderr).strip()}): "
+        f"pip install -r requirements.txt")
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, (f"ruff check found what pyproject.toml's [tool.ruff] forbids; fix each "
+                                    f"line it names (wrap a long line as the code around it reads):\n"
+                                    f"{result.stdout}{result.stderr}")
+
+
+def test_03_reuses_02s_no_sync():
+    """The one technique that lived in two folders: DDP's no_sync. 03's ZeRO takes 02's, not a copy."""
+    import data_parallel
+    import zero
+    assert zero.ZeRO.no_sync is data_parallel.DataParallel.no_sync is data_parallel.GradientSyncSwitch.no_sync

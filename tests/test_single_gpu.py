@@ -19,12 +19,14 @@ import torch
 import common
 
 import model as modeling
+import rope
 import hf_io
-train = import_module("01_single_gpu.train")
 import optim
 import memory
 import recompute
 import data
+import sampling
+train = import_module("01_single_gpu.train")
 
 
 def tiny_config(**kw):
@@ -103,18 +105,18 @@ def test_rotary_embedding_turns_each_pair_by_position_times_frequency():
     the rest float64: 1e-6 is float32's rounding of angles up to ~30 rad."""
     config = tiny_config(hidden_size=32)                                            # hd = 8
     positions = torch.arange(31)
-    cos, sin = modeling.rotary_cos_sin(positions, config, torch.float64)            # (T, hd)
+    cos, sin = rope.rotary_cos_sin(positions, config, torch.float64)            # (T, hd)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 2, 31, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 31, 8, generator=g,
                                                                                      dtype=torch.float64)
-    turned_q, turned_k = modeling.apply_rotary(q, k, cos, sin)
-    angles = (positions.float()[:, None] * modeling.rope_inv_freq(config)[None, :]).double()   # (T, hd/2)
+    turned_q, turned_k = rope.apply_rotary(q, k, cos, sin)
+    angles = (positions.float()[:, None] * rope.rope_inv_freq(config)[None, :]).double()   # (T, hd/2)
     for x, turned in ((q, turned_q), (k, turned_k)):
         z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angles), angles)
         torch.testing.assert_close(turned, torch.cat([z.real, z.imag], dim=-1), rtol=1e-6, atol=1e-6)
     shift = 5                                  # every q and k 5 positions later: the same (T−5, T−5) scores
     scores = turned_q[0, 0, :-shift] @ turned_k[0, 0, :-shift].T
-    q_later, k_later = modeling.apply_rotary(q[:, :, :-shift], k[:, :, :-shift], cos[shift:], sin[shift:])
+    q_later, k_later = rope.apply_rotary(q[:, :, :-shift], k[:, :, :-shift], cos[shift:], sin[shift:])
     torch.testing.assert_close(q_later[0, 0] @ k_later[0, 0].T, scores, rtol=1e-5, atol=1e-5)
 
 
@@ -128,8 +130,8 @@ def test_config_errors_name_the_fix():
 def test_sampler_is_deterministic_and_shards_the_global_batch():
     """dp ranks with mbs M read exactly the rows one device reads with mbs dp·M."""
     ds = data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
-    one = data.GlobalBatchSampler(ds, seed=5, mbs=6, grad_acc=2)
-    sharded = [data.GlobalBatchSampler(ds, seed=5, mbs=2, grad_acc=2, dp_size=3) for _ in range(3)]
+    one = sampling.GlobalBatchSampler(ds, seed=5, mbs=6, grad_acc=2)
+    sharded = [sampling.GlobalBatchSampler(ds, seed=5, mbs=2, grad_acc=2, dp_size=3) for _ in range(3)]
     for step in (0, 7):
         for micro in range(2):
             x, y = one.micro_batch(step, micro)
@@ -369,7 +371,7 @@ def test_init_from_hf_directory(tmp_path):
     hf_io.save_hf(source, tmp_path / "hf")
     losses, _ = common.single_device_run("--init-from", tmp_path / "hf", steps=1)
     ds = data.build_dataset("stdlib", data.ByteTokenizer(), common.SEQ_LEN)
-    x, y = data.GlobalBatchSampler(ds, seed=1234, mbs=4, grad_acc=1).micro_batch(0, 0)
+    x, y = sampling.GlobalBatchSampler(ds, seed=1234, mbs=4, grad_acc=1).micro_batch(0, 0)
     with torch.no_grad():
         assert losses[0] == pytest.approx(source(x, labels=y).item(), rel=1e-6)
 

@@ -32,6 +32,7 @@ import hf_io
 import process_grid
 import comm
 import memory
+import mappings
 import tensor_parallel
 tp_train = import_module("04_tensor_parallel.train")
 
@@ -125,13 +126,13 @@ def check_parallel_linears(grid):
     x = _leaf(torch.randn(B, T, C))
     dense_x = _leaf(x)
     column = tensor_parallel.ColumnParallelLinear(dense.weight, rank, size, group, gather_output=True)
-    _twin_grads(column(tensor_parallel.copy_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
+    _twin_grads(column(mappings.copy_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
                 [column.weight], [dense.weight], rank, size)
     dense = nn.Linear(48, C, bias=False)
     x = _leaf(torch.randn(B, T, 48))
     dense_x = _leaf(x)
     row = tensor_parallel.RowParallelLinear(dense.weight, rank, size, group)
-    _twin_grads(row(tensor_parallel.scatter_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
+    _twin_grads(row(mappings.scatter_to_tp_region(x, group)), dense(dense_x), [(x, dense_x)],
                 [row.weight], [dense.weight], rank, size)
 
 

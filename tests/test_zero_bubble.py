@@ -33,10 +33,11 @@ from harness import layout_results, run_layouts
 
 import build
 import cli
-import data
+import sampling
 import process_grid
 import comm
 import pipeline
+import point_to_point
 import passes
 import schedules
 import layout_5d as layout                                 # 08's flags, rules and order of transforms
@@ -48,8 +49,9 @@ GRADIENTS = dict(rtol=1e-12, atol=1e-15)
 
 def _pipeline(args, grid, stages):
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
-    p2p = pipeline.P2P(grid.pp_ranks, grid.pp_rank, pipeline.direction_groups(grid, args.pp_chunks), args.pp_chunks,
-                       shape, build.param_dtype(args), build.device_of(args))
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
+                             shape, build.param_dtype(args), build.device_of(args))
     return passes.Pipeline(stages, p2p, passes.pass_clock(build.device_of(args)),
                               split_backward=args.pp_schedule == "zb-h1")
 
@@ -79,7 +81,7 @@ def _step_gradients(extra):
     if args.pp_schedule == "zb-h1":
         _metered(pipe, "backward_input", meters["B"], calls)
         _metered(pipe, "backward_weight", meters["W"], calls)
-    sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
+    sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, grid.dp_size)
     micro_batches = [sampler.micro_batch(0, i, grid.dp_rank) for i in range(args.grad_acc)]
     schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
     return dict(grads={pipeline.single_device_name(n): None if p.grad is None else p.grad.numpy().copy()
@@ -244,7 +246,7 @@ def test_cuda_pass_clock_with_fake_events():
     torch.manual_seed(0)
     config = modeling.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     stages = pipeline.build_stages(modeling.LlamaForCausalLM(config), 0, 1)
-    p2p = pipeline.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
+    p2p = point_to_point.P2P([0], 0, {}, 1, (2, 8, 32), torch.float32, torch.device("cpu"))
     clock = passes.DeviceClock(FakeCudaEvent)
     pipe = passes.Pipeline(stages, p2p, clock)
     micro_batches = [(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))) for _ in range(3)]

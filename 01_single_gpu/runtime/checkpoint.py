@@ -11,7 +11,7 @@ any other layout of the same global batch (and `export_hf.py` writes it as a Hug
 is written into `step_000100.tmp` and renamed into place when every rank has finished (an older copy of the
 step is removed only after that), so a crash never damages or hides an earlier checkpoint. `--resume` takes
 the newest checkpoint whose files match their manifest and says which newer ones it skipped; it refuses to
-continue as another run (other model, data, batch or schedule: `check_resume`). A new run refuses a folder
+continue as another run (other model, data, batch or schedule: resume_checks.py). A new run refuses a folder
 holding another run's checkpoints unless `--overwrite`; `--keep-last N` keeps the newest N. The data position
 is the step itself (the sampler is a pure function of seed and step).
 """
@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,16 +30,6 @@ import global_state
 
 MANIFEST = "manifest.json"
 FORMAT = 2                      # pieces in global coordinates (global_state.py): any layout resumes any other
-# What makes a run the run it is may not change under --resume: every flag but these, which are free (the
-# parallel layout among them: a checkpoint holds global pieces, any layout of the same global batch resumes
-# it). A flag only one trainer has is not compared: the model's config and parameter names are.
-FREE_FLAGS = {"steps", "mbs", "grad_acc", "dtype", "device", "recompute", "kernels", "attn", "json_log",
-              "log_every", "no_progress", "peak_tflops", "checkpoint_dir", "checkpoint_every", "keep_last",
-              "resume", "overwrite", "timeout_s", "on_nonfinite", "timeline", "dp_mode", "bucket_mb",
-              "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step",
-              "dp", "tp", "pp", "cp", "ep", "pp_chunks", "sp", "zero_stage", "precision_layout",
-              "loss_scale_init", "loss_scale_window", "profile", "offload", "partition_activations",
-              "eval_every", "plot", "tensorboard", "compile"}   # not --eval-batches: its windows leave training
 
 
 def _world():
@@ -77,7 +67,8 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
     else:
         everyone = [keys]
     writer = {}
-    for r, rank_keys in enumerate(everyone):            # each distinct piece: written by the first rank holding it
+    # each distinct piece: written by the first rank holding it
+    for r, rank_keys in enumerate(everyone):
         for key in rank_keys:
             writer.setdefault(key, r)
     path = scratch / f"rank_{rank:05d}.safetensors"
@@ -99,9 +90,11 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
         problems = [problem for _, _, rank_problems in gathered for problem in rank_problems]
     if rank == 0 and not problems:
         scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
-        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"], **meta,
-                    "config": global_state.model_config(model), "optimizer_step": global_state.optimizer_step(optimizer),
-                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files), "pieces": listed}
+        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"],
+                    **meta, "config": global_state.model_config(model),
+                    "optimizer_step": global_state.optimizer_step(optimizer),
+                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files),
+                    "pieces": listed}
         manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
         manifest["manifest_sha256"] = manifest_digest(manifest)
         try:
@@ -129,9 +122,9 @@ def _abandon(directory, scratch: Path, step: int, problem: str, rank: int):
         shutil.rmtree(scratch, ignore_errors=True)
     import cli                 # imported here: cli imports this module
     cli.fail(
-        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass another "
-        f"--checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the last one)",
-        status=1)
+        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass "
+        f"another --checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the "
+        f"last one)", status=1)
 
 
 def _publish(scratch: Path, final: Path):
@@ -217,7 +210,8 @@ def newest_usable(directory, reader: bool = False) -> Resume:
     fix = "pass a trainer's --checkpoint-dir"
     if not Path(directory).is_dir():
         raise ValueError(f"--checkpoint-dir {directory} does not exist: {fix}" if reader else
-                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to continue")
+                         f"--resume: {directory} does not exist: pass the --checkpoint-dir of the run to "
+                         f"continue")
     skipped = []
     for step in checkpoint_steps(directory):
         problem, manifest = verify(Path(directory) / f"step_{step:06d}")
@@ -225,54 +219,15 @@ def newest_usable(directory, reader: bool = False) -> Resume:
             return Resume(step, manifest.get("run_id"), skipped)
         skipped.append((step, problem))
     if not skipped:
-        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}" if reader
-                         else f"--resume: no checkpoint in {directory} (no step_* folder): start without --resume, "
-                              f"or pass --resume auto (a new run where none was saved yet)")
+        raise ValueError(f"--checkpoint-dir {directory} holds no checkpoint (no step_* folder): {fix}"
+                         if reader else
+                         f"--resume: no checkpoint in {directory} (no step_* folder): start without "
+                         f"--resume, or pass --resume auto (a new run where none was saved yet)")
     problems = "; ".join(f"step_{step:06d}: {problem}" for step, problem in skipped)
     raise ValueError(f"--checkpoint-dir {directory} holds no usable checkpoint: {problems}: pass the "
                      f"--checkpoint-dir of a run whose save finished" if reader else
-                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run (--overwrite)")
-
-
-def check_resume(args, directory, global_batch: int, world_size: int) -> Resume:
-    """The checkpoint --resume continues from, after checking that this run is the run that saved it: the
-    same flags but FREE_FLAGS (the layout may change) and the same global batch. An unset --lr-decay-steps
-    takes the checkpoint's schedule length (so --steps may grow): the returned `lr_decay_steps`. Raises a
-    ValueError naming the flag."""
-    resume = newest_usable(directory)
-    where = f"{directory}/step_{resume.step:06d}"
-    manifest = json.loads((Path(where) / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"--resume: {where} was written by an older checkpoint.py: start a new run (--overwrite)")
-    saved = dict(manifest["args"])
-    saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
-    mine = {**vars(args), "lr_decay_steps": args.lr_decay_steps or saved["lr_decay_steps"]}
-    for name in sorted(mine.keys() & saved.keys() - FREE_FLAGS):
-        if mine[name] != saved[name]:
-            raise ValueError(f"--resume: --{name.replace('_', '-')} {mine[name]} differs from the checkpoint's "
-                             f"{saved[name]} (in {where}): resume with the checkpoint's value, or start a new run "
-                             f"in another --checkpoint-dir")
-    saved_experts = len({piece["name"].split(".mlp.experts.")[1].split(".")[0] for piece in manifest["pieces"]
-                         if ".mlp.experts." in piece["name"]})
-    if saved_experts != getattr(args, "num_experts", 0):
-        kind = f"a mixture-of-experts run ({saved_experts} experts per layer)" if saved_experts else "a dense run"
-        raise ValueError(f"--resume: {where} was saved by {kind}, this run has {getattr(args, 'num_experts', 0)}: "
-                         f"resume with the trainer and --num-experts that saved it")
-    if global_batch != manifest["global_batch"]:
-        raise ValueError(f"--resume: a global batch of {global_batch} sequences differs from the checkpoint's "
-                         f"{manifest['global_batch']} (dp·mbs·grad_acc) (in {where}): resume with the "
-                         f"checkpoint's, or start a new run in another --checkpoint-dir")
-    return replace(resume, lr_decay_steps=mine["lr_decay_steps"])
-
-
-def check_new_run(directory, overwrite: bool):
-    """A run without --resume writes into a folder without checkpoints, or replaces them (--overwrite):
-    otherwise a later --resume would silently continue the other run."""
-    steps = checkpoint_steps(directory)
-    if steps and not overwrite:
-        shown = ", ".join(map(str, steps[:3])) + (", ..." if len(steps) > 3 else "")
-        raise ValueError(f"--checkpoint-dir {directory} holds another run's checkpoints (steps {shown}): pass "
-                         f"--resume to continue it, --overwrite to replace it, or another --checkpoint-dir")
+                     f"--resume: no usable checkpoint in {directory}: {problems}: start a new run "
+                     f"(--overwrite)")
 
 
 def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None = None) -> int:
@@ -282,20 +237,21 @@ def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None 
     folder = Path(directory) / f"step_{step:06d}"
     manifest = json.loads((folder / MANIFEST).read_text())
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{folder} was written by an older checkpoint.py (one file of state dicts per rank): "
-                         f"start a new run")
+        raise ValueError(f"{folder} was written by an older checkpoint.py (one file of state dicts per "
+                         f"rank): start a new run")
     saved, mine = manifest["config"], global_state.model_config(model)
     different = sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k))
     if different:
-        raise ValueError(f"{folder} holds another model ({', '.join(f'{k} {saved.get(k)} vs {mine.get(k)}' for k in different[:3])}): "
-                         f"resume with the model flags that saved it")
+        shown = ", ".join(f"{k} {saved.get(k)} vs {mine.get(k)}" for k in different[:3])
+        raise ValueError(f"{folder} holds another model ({shown}): resume with the model flags that saved it")
     handles = {}
 
     def read(piece, quantity):
         if piece["file"] not in handles:
             handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
         return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
-    global_state.load(global_state.Assembler(manifest["pieces"], read), optimizer, model, manifest["optimizer_step"])
+    assembler = global_state.Assembler(manifest["pieces"], read)
+    global_state.load(assembler, optimizer, model, manifest["optimizer_step"])
     scaler = getattr(optimizer, "scaler", None)
     # fp16's loss scale continues; saved without fp16 (or by an older version): --loss-scale-init
     if scaler and manifest.get("loss_scaler"):

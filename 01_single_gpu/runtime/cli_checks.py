@@ -122,15 +122,16 @@ def checkpoint_choice(args) -> dict:
     folder without checkpoints: a new run (resume None); no --resume: a folder it may write into."""
     import cli                 # imported here: cli imports this module
     import checkpoint
+    import resume_checks
     if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
         cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
-        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        resume_checks.check_new_run(args.checkpoint_dir, args.overwrite)
         return {"resume": None}
     if not args.resume:
-        checkpoint.check_new_run(args.checkpoint_dir, args.overwrite)
+        resume_checks.check_new_run(args.checkpoint_dir, args.overwrite)
         return {}
     world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
-    resumed = checkpoint.check_resume(args, args.checkpoint_dir, global_batch, world_size)
+    resumed = resume_checks.check_resume(args, args.checkpoint_dir, global_batch, world_size)
     for step, problem in resumed.skipped:
         cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
                    f"resuming from step {resumed.step}", file=sys.stderr)

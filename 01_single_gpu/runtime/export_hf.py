@@ -40,8 +40,8 @@ def read_checkpoint(checkpoint_dir, step=None):
                             ": pass a trainer's --checkpoint-dir"))
     problem, manifest = checkpoint.verify(folder)
     if problem:
-        raise ValueError(f"--step {step}: {folder}: {problem}: pass another --step, or leave it out (the newest "
-                         f"usable checkpoint)")
+        raise ValueError(f"--step {step}: {folder}: {problem}: pass another --step, or leave it out "
+                         f"(the newest usable checkpoint)")
     if manifest.get("format") != checkpoint.FORMAT:
         raise ValueError(f"{folder} was written by an older checkpoint.py: it cannot be read")
     if any(".mlp.experts." in piece["name"] for piece in manifest["pieces"]):
@@ -70,8 +70,8 @@ def check_out(out, overwrite: bool):
     held = [name for name in ("config.json", "model.safetensors", "model.safetensors.index.json")
             if (Path(out) / name).exists()]
     if held and not overwrite:
-        raise ValueError(f"--out {out} already holds a model ({', '.join(held)}): pass --overwrite to replace "
-                         f"it, or another --out")
+        raise ValueError(f"--out {out} already holds a model ({', '.join(held)}): pass --overwrite to "
+                         f"replace it, or another --out")
 
 
 def export(checkpoint_dir, out, step=None, overwrite: bool = False):
@@ -85,7 +85,8 @@ def export(checkpoint_dir, out, step=None, overwrite: bool = False):
 def main(argv=None):
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-dir", required=True, help="a --checkpoint-dir of any trainer")
-    parser.add_argument("--out", required=True, help="the folder to write config.json and model.safetensors to")
+    parser.add_argument("--out", required=True,
+                        help="the folder to write config.json and model.safetensors to")
     parser.add_argument("--step", type=int, help="the step to export (default: the newest usable checkpoint)")
     parser.add_argument("--overwrite", action="store_true", help="replace the model an existing --out holds")
     args = parser.parse_args(argv)

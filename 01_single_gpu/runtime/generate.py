@@ -127,7 +127,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    if not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
+    if (not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 0
+            or args.max_new_tokens < 0):
         parser.error(f"--temperature (a finite number), --top-k and --max-new-tokens must be 0 or more, got "
                      f"{args.temperature}, {args.top_k} and {args.max_new_tokens}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -17,7 +17,8 @@ so a rank never holds more than its own state plus one full tensor. `export_hf.p
 to write a Hugging Face directory from a checkpoint of any layout.
 
     python 01_single_gpu/train.py --checkpoint-dir ckpt --steps 2 && \\
-    torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2 --mbs 4 --checkpoint-dir ckpt --resume --steps 4
+    torchrun --nproc_per_node 4 04_tensor_parallel/train.py --tp 2 --dp 2 --mbs 4 --checkpoint-dir ckpt \
+        --resume --steps 4
 """
 from dataclasses import asdict, dataclass, replace
 
@@ -114,7 +115,8 @@ class Assembler:
         full = torch.zeros(listed[0]["shape"], dtype=dtype)
         covered = torch.zeros(listed[0]["shape"], dtype=torch.bool)
         for piece in listed:
-            s = Segment(**{k: tuple(v) if k == "shape" else v for k, v in piece.items() if k in Segment.__dataclass_fields__})
+            s = Segment(**{k: tuple(v) if k == "shape" else v for k, v in piece.items()
+                           if k in Segment.__dataclass_fields__})
             block = torch.zeros(s.block_shape(), dtype=dtype)           # a contiguous copy of the block
             block.view(-1)[s.flat_start:s.flat_stop] = self.read(piece, quantity).to(dtype)
             mask = torch.zeros(s.block_shape(), dtype=torch.bool)
@@ -122,8 +124,8 @@ class Assembler:
             full.narrow(s.dim, s.start, s.stop - s.start)[mask] = block[mask]
             covered.narrow(s.dim, s.start, s.stop - s.start).logical_or_(mask)
         if not covered.all():
-            raise ValueError(f"the checkpoint covers {int(covered.sum())} of {covered.numel()} elements of {name}: "
-                             f"a rank's file is missing from it")
+            raise ValueError(f"the checkpoint covers {int(covered.sum())} of {covered.numel()} elements of "
+                             f"{name}: a rank's file is missing from it")
         return full
 
 

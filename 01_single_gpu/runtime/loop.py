@@ -5,11 +5,11 @@
 
     for step in range(start, --steps):
         set the learning rate                                   optim.lr_at
-        this rank's micro-batches of the step's global batch    data.GlobalBatchSampler
+        this rank's micro-batches of the step's global batch    sampling.GlobalBatchSampler
         loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
         a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite,
                                                                 fp16's loss scaler (mixed_precision.py)
-        every --eval-every steps, eval_step(held-out batches)    data.split_held_out, the trainer's step
+        every --eval-every steps, eval_step(held-out batches)    sampling.split_held_out, the trainer's step
         log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
         --profile DIR: the profiler's schedule advances         metrics.profiler
         a SIGTERM/SIGUSR1 on any rank: save this step, exit 75  preemption.py (all ranks agree, one scalar)
@@ -34,12 +34,12 @@ import torch.distributed as dist
 import build
 import checkpoint
 import cli
-import data
 import memory
 import metrics
 import optim
 import plots
 import preemption
+import sampling
 import watchdog
 
 
@@ -79,9 +79,9 @@ class Run:
         self.dp_rank, dp_size = (grid.dp_rank, grid.dp_size) if grid else (0, 1)
         self.is_logging_rank, self.several = self.rank == 0, self.world_size > 1
         global_batch = args.mbs * args.grad_acc * dp_size
-        dataset, held_out = data.split_held_out(dataset, args.eval_batches * global_batch)
-        self.sampler = data.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
-        self.eval_sampler = data.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
+        dataset, held_out = sampling.split_held_out(dataset, args.eval_batches * global_batch)
+        self.sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc, dp_size)
+        self.eval_sampler = sampling.GlobalBatchSampler(held_out, args.seed, args.mbs, args.grad_acc, dp_size)
         self.lr_decay_steps = args.lr_decay_steps or args.steps     # optim.lr_at's; checkpoints record it
 
     def batches(self, of, step: int) -> list:

@@ -62,29 +62,32 @@ class Initializer:
                     self.files[key] = handle
 
     def values(self, name: str, block: Block, dtype) -> torch.Tensor:
-        index = tuple(slice(block.start, block.stop) if d == block.dim else slice(None) for d in range(len(block.shape)))
+        index = tuple(slice(block.start, block.stop) if d == block.dim else slice(None)
+                      for d in range(len(block.shape)))
         if self.files:
             return self._read(name, block, index).to(dtype)
         if name.endswith("norm.weight"):
             return torch.ones(block.shape, dtype=torch.float32)[index].clone().to(dtype)
-        full = torch.empty(block.shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator_for(self.seed,
-                                                                                                          name))
+        generator = generator_for(self.seed, name)
+        full = torch.empty(block.shape, dtype=torch.float32).normal_(0.0, self.std, generator=generator)
         return full[index].clone().to(dtype)           # a copy: a view would keep the full tensor alive
 
     def _read(self, name, block, index):
         source = name
-        if source not in self.files and ".mlp.experts." in source:    # upcycling: every expert is the dense MLP
+        # upcycling: every expert is the dense MLP
+        if source not in self.files and ".mlp.experts." in source:
             prefix, rest = source.split(".mlp.experts.", 1)
             source = f"{prefix}.mlp.{rest.split('.', 1)[1]}"
         if source not in self.files:
             if name.endswith(".mlp.gate.weight") or ".mlp.shared_experts." in name:   # nor router nor shared
-                full = torch.empty(block.shape).normal_(0.0, self.std, generator=generator_for(self.seed, name))
+                generator = generator_for(self.seed, name)
+                full = torch.empty(block.shape).normal_(0.0, self.std, generator=generator)
                 return full[index].clone()
             raise ValueError(f"--init-from has no weight {source!r} (the model's {name})")
         tensor = self.files[source].get_slice(source)
         if tuple(tensor.get_shape()) != tuple(block.shape):
-            raise ValueError(f"--init-from: {source} has shape {tuple(tensor.get_shape())}, the model expects "
-                             f"{tuple(block.shape)}")
+            raise ValueError(f"--init-from: {source} has shape {tuple(tensor.get_shape())}, the model "
+                             f"expects {tuple(block.shape)}")
         return tensor[index]
 
 
@@ -114,7 +117,8 @@ def swap_parameters(root: nn.Module, new: dict):
         for attr, p in list(module._parameters.items()):
             if p is not None and id(p) in new:
                 replacement = new[id(p)]
-                replacement.__dict__.update({k: v for k, v in p.__dict__.items() if k not in replacement.__dict__})
+                kept = {k: v for k, v in p.__dict__.items() if k not in replacement.__dict__}
+                replacement.__dict__.update(kept)
                 module._parameters[attr] = replacement
 
 

@@ -23,8 +23,8 @@ KINDS = {".txt": "text", ".md": "text", ".py": "text",
 KIND_NAMES = {"text": "text files (.txt/.md/.py)", "json": "JSON records (.jsonl/.json)",
               "parquet": "Parquet records (.parquet)"}
 # A name ending in one of these is a local file, never a hub name ("name" or "owner/name").
-FILE_SUFFIXES = {*KINDS, ".csv", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".xml", ".html",
-                 ".xlsx", ".pdf", ".npy"}
+FILE_SUFFIXES = {*KINDS, ".csv", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".xml",
+                 ".html", ".xlsx", ".pdf", ".npy"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 HUB_PROBE_S = 3.0                  # how long a hub name may wait for a TCP connection before "offline"
 
@@ -34,7 +34,8 @@ def first_line(error) -> str:
 
 
 def looks_local(name: str) -> bool:
-    """A path, not a hub name: it starts with . / ~, ends with /, has two slashes or more, or a file suffix."""
+    """A path, not a hub name: it starts with . / ~, ends with /, has two slashes or more, or a file
+    suffix."""
     return (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or "\\" in name
             or Path(name).suffix.lower() in FILE_SUFFIXES)
 
@@ -70,8 +71,8 @@ def check_tokenizer(name: str):
     path = Path(name)
     if path.is_dir():
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
-            raise ValueError(f"--tokenizer {name} holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): save "
-                             f"one there with save_pretrained, or pass 'bytes'")
+            raise ValueError(f"--tokenizer {name} holds no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}): "
+                             f"save one there with save_pretrained, or pass 'bytes'")
     elif path.exists() or looks_local(name):
         raise ValueError(f"--tokenizer {name}: no such folder: pass a folder saved with save_pretrained, "
                          f"a hub name (online), or 'bytes'")
@@ -101,14 +102,15 @@ def source_files(source: str):
                  and not any(part.startswith(".") for part in p.relative_to(path).parts)]
     elif path.is_file():
         if path.suffix not in KINDS:
-            raise ValueError(f"{source}: {path.suffix or 'suffix-less'} files are not read: convert it to .jsonl or "
-                             f".parquet (records, --text-column) or .txt (one document) and pass that")
+            raise ValueError(f"{source}: {path.suffix or 'suffix-less'} files are not read: convert it to "
+                             f".jsonl or .parquet (records, --text-column) or .txt (one document) and pass "
+                             f"that")
         files = [path]
     elif looks_local(source):
         raise ValueError(f"{source} does not exist: pass --dataset an existing file or folder")
     elif hub_unreachable(source, "dataset"):   # else an HF hub dataset name, e.g. "roneneldan/TinyStories"
-        raise ValueError(f"--dataset {source}: not a local file or folder, and the Hugging Face hub is unreachable "
-                         f"(offline: pass a local directory or file)")
+        raise ValueError(f"--dataset {source}: not a local file or folder, and the Hugging Face hub is "
+                         f"unreachable (offline: pass a local directory or file)")
     else:
         return "hub", []
     kinds = {KINDS.get(p.suffix) for p in files}
@@ -136,19 +138,19 @@ def check_source(source: str, text_column: str = "text", window: int = 1):
             try:
                 schema = pq.read_schema(path)
             except Exception as error:   # pyarrow's ArrowInvalid/OSError: not a Parquet file, or a torn one
-                raise ValueError(f"{path} is not a Parquet file ({first_line(error)}): fix it or pass another "
-                                 f"--dataset") from None
+                raise ValueError(f"{path} is not a Parquet file ({first_line(error)}): fix it or pass "
+                                 f"another --dataset") from None
             if text_column not in schema.names:
                 raise ValueError(f"{path} has no column {text_column!r} (columns: {schema.names}); "
                                  f"pass --text-column")
             column_type = str(schema.field(text_column).type)
             if "string" not in column_type:
-                raise ValueError(f"{path}: column {text_column!r} holds {column_type}, not text: pass --text-column "
-                                 f"naming a text column")
+                raise ValueError(f"{path}: column {text_column!r} holds {column_type}, not text: pass "
+                                 f"--text-column naming a text column")
     most = sum(p.stat().st_size + 1 for p in files)
     if kind != "hub" and most < window:
-        raise ValueError(f"{source} holds at most {most} tokens, fewer than seq_len+1={window}: pass more text "
-                         f"or a smaller --seq-len")
+        raise ValueError(f"{source} holds at most {most} tokens, fewer than seq_len+1={window}: pass more "
+                         f"text or a smaller --seq-len")
     return kind, files
 
 
@@ -164,14 +166,16 @@ def _peek_json(files, text_column: str):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path} line {number} is not JSON ({error}): fix the file or pass another "
-                                     f"--dataset") from None
+                    raise ValueError(f"{path} line {number} is not JSON ({error}): fix the file or pass "
+                                     f"another --dataset") from None
                 if not isinstance(record, dict) or text_column not in record:
                     columns = sorted(record) if isinstance(record, dict) else []
-                    raise ValueError(f"{path} has no column {text_column!r} (columns: {columns}); pass --text-column")
+                    raise ValueError(f"{path} has no column {text_column!r} (columns: {columns}); "
+                                     f"pass --text-column")
                 if not isinstance(record[text_column], str):
-                    raise ValueError(f"{path}: column {text_column!r} holds {type(record[text_column]).__name__}, "
-                                     f"not text: pass --text-column naming a text column")
+                    held = type(record[text_column]).__name__
+                    raise ValueError(f"{path}: column {text_column!r} holds {held}, not text: pass "
+                                     f"--text-column naming a text column")
                 return
-    raise ValueError(f"{files[0] if len(files) == 1 else 'the folder'} holds no records: pass a file with one JSON "
-                     f"object per line")
+    raise ValueError(f"{files[0] if len(files) == 1 else 'the folder'} holds no records: pass a file with "
+                     f"one JSON object per line")

@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 
-DEFAULT_TIMEOUT_S = 300.0   # a few minutes: far longer than any step of the presets, far shorter than a lost night
+# a few minutes: far longer than any step of the presets, far shorter than a lost night
+DEFAULT_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
 
 
@@ -71,8 +72,9 @@ class Watchdog:
                 return self._end(f"rank {self.rank}: its launcher (pid {self.parent}) is gone: exiting")
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
-                return self._end(f"rank {self.rank}: no progress for {idle:.0f} s since {self.where} (--timeout-s "
-                                 f"{self.timeout_s:g}): a peer stalled, died or deadlocked; exiting")
+                return self._end(f"rank {self.rank}: no progress for {idle:.0f} s since {self.where} "
+                                 f"(--timeout-s {self.timeout_s:g}): a peer stalled, died or deadlocked; "
+                                 f"exiting")
 
     def _end(self, line: str):
         print(line, file=sys.stderr, flush=True)
