@@ -161,7 +161,7 @@ class MixedPrecisionOptimizer:
 
     @property
     def grad_owners(self):
-        """The tensors whose .grad is the step's gradient: the masters of bf16-20's accumulators, else params."""
+        """The tensors whose .grad is the step's gradient: bf16-20's fp32 masters, else the parameters."""
         return self.masters if self.hooked else self.params
 
     def grad_owners_of(self, params):

@@ -36,11 +36,12 @@ PRESETS = {
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
 ROPE = ("rope_theta", "rope_scaling", "max_position_embeddings")   # preset keys with no flag: the config's
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with one-line errors (`fail`: no usage block) and a suggestion for a mistyped flag."""
+    """argparse's parser with one-line errors (`fail`: no usage block), suggesting a flag for a typo."""
 
     def error(self, message):
         fail(f"{self.prog}: error: {message}")
@@ -223,8 +224,8 @@ def parse_args(parser, argv=None, files: bool = True):
     except ValueError as error:
         parser.error(str(error))
     if args.resume and args.resume_step >= args.steps:
-        print0(f"nothing to do: {args.checkpoint_dir} holds step {args.resume_step}, and --steps is {args.steps}; "
-               f"pass a larger --steps to train on")
+        print0(f"nothing to do: {args.checkpoint_dir} holds step {args.resume_step}, and --steps is "
+               f"{args.steps}; pass a larger --steps to train on")
         sys.exit(0)
     return args
 
@@ -291,8 +292,9 @@ def model_config(args, tokenizer_vocab: int):
             vocab_size=vocab, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
             num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
             num_key_value_heads=args.num_kv_heads, tie_word_embeddings=args.tie_embeddings,
-            **{**rope, "max_position_embeddings": max(rope.get("max_position_embeddings", 4096), args.seq_len)})
+            **{**rope,
+               "max_position_embeddings": max(rope.get("max_position_embeddings", 4096), args.seq_len)})
     if config.vocab_size < tokenizer_vocab:
-        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: pass "
-                         f"--vocab-size {tokenizer_vocab} or more")
+        raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: "
+                         f"pass --vocab-size {tokenizer_vocab} or more")
     return config

@@ -45,8 +45,8 @@ def check_values(args):
     if not 0 <= args.min_lr_ratio <= 1:
         raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
     if args.profile and args.steps < 3:
-        raise ValueError(f"--profile records from the 3rd step on (1 skipped, 1 warm-up): pass --steps 3 or more, "
-                         f"got {args.steps}")
+        raise ValueError(f"--profile records from the 3rd step on (1 skipped, 1 warm-up): pass --steps 3 or "
+                         f"more, got {args.steps}")
     for name in ("checkpoint_every", "keep_last", "resume", "overwrite"):
         if getattr(args, name) and not args.checkpoint_dir:
             raise ValueError(f"{_flag(name)} needs --checkpoint-dir DIR")
@@ -60,8 +60,8 @@ def check_values(args):
     check_triton(args.kernels, args.attn)
     compiler = os.environ.get("CXX", "g++")     # the C++ compiler inductor builds its CPU kernels with
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
-        raise ValueError(f"--compile on the CPU builds C++ kernels, but the compiler {compiler} is not on PATH: "
-                         f"install g++ (or set CXX), or drop --compile")
+        raise ValueError(f"--compile on the CPU builds C++ kernels, but the compiler {compiler} is not on "
+                         f"PATH: install g++ (or set CXX), or drop --compile")
     if args.compile and getattr(args, "num_experts", 0):    # 07's and 08's MoE layers
         raise ValueError("--compile does not take the mixture-of-experts layer: its routing sizes depend on "
                          "the data (graph breaks, a recompile per batch, ranks stalled in collectives): drop "
@@ -79,8 +79,9 @@ def check_triton(kernels: str, attn: str):
     except ImportError:
         raise ValueError(f"{flags} needs the triton package: pip install triton") from None
     if not triton.knobs.runtime.interpret:
-        raise ValueError(f"{flags} needs a CUDA GPU and none is visible: on a CPU, start with TRITON_INTERPRET=1 "
-                         f"(Triton's interpreter, slow: for tests), or pass --kernels torch --attn sdpa")
+        raise ValueError(f"{flags} needs a CUDA GPU and none is visible: on a CPU, start with "
+                         f"TRITON_INTERPRET=1 (Triton's interpreter, slow: for tests), or pass --kernels "
+                         f"torch --attn sdpa")
 
 
 def check_inputs(args) -> dict:
@@ -91,7 +92,8 @@ def check_inputs(args) -> dict:
     check_output_file(args.json_log, "--json-log")
     if args.profile:
         check_output_folder(args.profile, "--profile")
-    check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))   # 06's and 08's
+    # --timeline: 06's and 08's flag
+    check_output_file(getattr(args, "timeline", None), "--timeline", (".png", ".svg", ".pdf"))
     if args.plot:
         check_output_folder(args.plot, "--plot")
     if args.tensorboard:
@@ -104,8 +106,8 @@ def check_inputs(args) -> dict:
         for flag, value, default in (("--tokenizer", args.tokenizer, "bytes"),
                                      ("--text-column", args.text_column, "text")):
             if value != default:
-                raise ValueError(f"--dataset synthetic draws token ids, no text is read: drop {flag} (the model's "
-                                 f"vocabulary is --vocab-size or the preset's)")
+                raise ValueError(f"--dataset synthetic draws token ids, no text is read: drop {flag} (the "
+                                 f"model's vocabulary is --vocab-size or the preset's)")
     else:
         sources.check_source(args.dataset, args.text_column, args.seq_len + 1)
     sources.check_tokenizer(args.tokenizer)
@@ -157,7 +159,7 @@ def check_output_file(path, flag: str, suffixes=()):
 
 
 def check_output_folder(folder, flag: str, of=None):
-    """A folder the run writes into (created if missing): the nearest existing ancestor is a writable folder."""
+    """A folder the run writes into (created if missing): its nearest existing ancestor is writable."""
     folder, what = Path(folder), f"{flag} {of or folder}"
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{what}: {folder} is a file, not a folder" if of else

@@ -9,7 +9,7 @@ attention costs grow as T². The cache is applied from outside, like every other
 in as `position_ids`, so the training code is untouched.
 
     python 01_single_gpu/runtime/generate.py --checkpoint-dir ckpt --prompt "def main(" --max-new-tokens 200
-    python 01_single_gpu/runtime/generate.py --hf-dir path/to/llama --prompt "The capital of France is" --top-k 50
+    python 01_single_gpu/runtime/generate.py --hf-dir path/to/llama --prompt "The capital of France is"
 
 A checkpoint is rebuilt from its pieces (export_hf.read_checkpoint, any layout's), and decoded with the
 tokenizer of the run that saved it; an HF directory with its own tokenizer files, else with --tokenizer.
