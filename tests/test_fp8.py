@@ -72,7 +72,8 @@ def test_scaled_mm_is_the_simulated_product_and_refuses_where_it_cannot_run(monk
         fp8.scaled_mm(x, w)
 
 
-@pytest.mark.skipif(not fp8.fp8_gemm_available("cuda"), reason="needs a CUDA GPU of compute capability >= 8.9")
+@pytest.mark.skipif(not fp8.fp8_gemm_available("cuda"),
+                    reason="needs a CUDA GPU of compute capability >= 8.9")
 def test_scaled_mm_on_gpu_tensor_cores():
     """The same check on an FP8 GPU's tensor cores (Hopper, Ada) at a Llama-sized product. They do not sum
     in fp32: their accumulator keeps about 14 bits (DeepSeek-V3 §3.3.2), and cuBLAS promotes its partial
