@@ -46,7 +46,7 @@ def test_fp8_linear_forward_backward_bounds_and_scalings():
         bound_dx = (g8 - g).abs() @ w8.abs() + g.abs() @ (w8 - w).abs() + 1e-5 * (g.abs() @ w.abs())
         assert ((xx.grad - g @ w).abs() <= bound_dx).all(), scaling
     table = fp8.errors(x, w, g)
-    (y_t, rows_t, dx_t, dw_t), (y_b, rows_b, dx_b, dw_b) = table[("fp8", "tensor")], table[("fp8", "block")]
+    (_, rows_t, _, _), (_, rows_b, _, _) = table[("fp8", "tensor")], table[("fp8", "block")]
     assert rows_b < 0.75 * rows_t                      # measured: 3.7e-2 vs 5.8e-2
     for errs in (table[("fp8", "tensor")], table[("fp8", "block")]):
         assert all(table[("bf16", "-")][i] < e for i, e in enumerate(errs))

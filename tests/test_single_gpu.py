@@ -345,8 +345,8 @@ def test_measured_activations_follow_the_step():
         script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
         out = subprocess.run([sys.executable, str(script), *common.argv("--recompute", mode, steps=1)],
                              capture_output=True, text=True, check=True).stdout
-        line = next(l for l in out.splitlines()
-                    if l.startswith("activations saved for backward in step 1"))
+        line = next(stdout_line for stdout_line in out.splitlines()
+                    if stdout_line.startswith("activations saved for backward in step 1"))
         printed[mode] = float(line.split("peak ")[1].split(" MiB")[0])
         assert "activations (estimate)" in out
     assert 0 < printed["selective"] < printed["none"]
