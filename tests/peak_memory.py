@@ -50,7 +50,8 @@ def main(module, argv):
     trainer.run, loop.train = run, train
     trainer.main(argv)
     rank = int(os.environ.get("RANK", 0))
-    result = dict(rank=rank, growth=_status("VmHWM") - seen["base"], built=seen["built"], parameters=seen["parameters"])
+    result = dict(rank=rank, growth=_status("VmHWM") - seen["base"], built=seen["built"],
+                  parameters=seen["parameters"])
     Path(os.environ["PEAK_MEMORY_DIR"], f"rank{rank}.json").write_text(json.dumps(result))
 
 

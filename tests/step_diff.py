@@ -96,7 +96,8 @@ def drifted_comments(folder: str) -> list:
     new = [(raw, c) for raw, c, _ in step_lines(folder) if c]
     matcher = difflib.SequenceMatcher(None, [c for _, c in old], [c for _, c in new], autojunk=False)
     return [f"{folder}: {new[j + k][0].strip()!r} vs {parent}: {old[i + k][0].strip()!r}"
-            for i, j, size in matcher.get_matching_blocks() for k in range(size) if old[i + k][0] != new[j + k][0]]
+            for i, j, size in matcher.get_matching_blocks() for k in range(size)
+            if old[i + k][0] != new[j + k][0]]
 
 
 def changed(old: list, new: list) -> int:

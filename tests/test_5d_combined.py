@@ -15,22 +15,24 @@ global batch dp·mbs·grad_acc. Layouts, grouped per spawn:
              and ZeRO-2 over dp2 × pp2 with the Triton kernels (08 gathers a chunk before its forward, so
              the fused loss finds the head whole, which 03's hooks cannot promise);
              dp2 (ep2) × pp2 with zb-h1 and 4 experts, capacity factor 1 (07's dropped rows); experts under
-             CP, 4 each: cp2 zig-zag × pp2 with full recomputation (the statistics' all-reduces run again) and cp2 × dp2 (ep2) (the load-balancing
-             statistics summed over cp, experts' gradients over cp·dp/ep ranks / (cp·dp): an identity
-             backward for P's sums, no sum, or 07's /dp each fail these);
+             CP, 4 each: cp2 zig-zag × pp2 with full recomputation (the statistics' all-reduces run again) and
+             cp2 × dp2 (ep2) (the load-balancing statistics summed over cp, experts' gradients over cp·dp/ep
+             ranks / (cp·dp): an identity backward for P's sums, no sum, or 07's /dp each fail these);
              ZeRO-1: cp2 × dp2 (N = 4 shards), saving a checkpoint every step, then resumed from step 1 (its
              one step must give 01's second); dp2 × pp2 interleaved (V = 2) with grad-acc 4; V-wise, tp2 × pp2
              with DualPipeV and with ZB-V (grad-acc 4: their B, I and W passes under TP's collectives), both
              with full recomputation and P_a (its checkpoint bytes counted, _check_partitioned_checkpoints);
-             dp4 (ep2) with 4 experts (expert states sharded over the 2 ranks holding the same experts, 07's /dp); cp2 × dp2
-             (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2 ranks, / (cp·dp));
-             every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap
-             with zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2
-             with zb-h1 and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per chunk) and dp2 (ep2) × pp2 zb-h1 with 4
-             experts (expert units reduced after the schedule); each also shows its reduction ran inside
-             the schedule (`_check_in_backward`), and each ZeRO-3 run that it held, while building, at
-             most one unit's values at full size, never its stage (`_values_held`); the interleaved one
-             evaluates after each step, and after that last evaluation no full unit is left (`resident`)
+             dp4 (ep2) with 4 experts (expert states sharded over the 2 ranks holding the same experts,
+             07's /dp); cp2 × dp2 (ep2) contiguous with 4 experts (expert states over the cp × dp/ep = 2
+             ranks, / (cp·dp));
+             every reduction under a schedule, grad-acc 4 (gradient_sync.py: each path once): DP overlap with
+             zb-h1 (hooks in W), DP bucket with interleaved V = 2 (buckets across chunks), ZeRO-2 with zb-h1
+             and with DualPipeV (whole backwards count as B and W), ZeRO-3 with interleaved (a gather per
+             chunk) and dp2 (ep2) × pp2 zb-h1 with 4 experts (expert units reduced after the schedule); each
+             also shows its reduction ran inside the schedule (`_check_in_backward`), and each ZeRO-3 run that
+             it held, while building, at most one unit's values at full size, never its stage
+             (`_values_held`); the interleaved one evaluates after each step, and after that last evaluation
+             no full unit is left (`resident`)
 Tolerances: losses 1e-5 relative, parameters 2e-5 absolute, those of test_tensor_parallel.py (04/05),
 for the same reasons: TP splits every matmul's sum, ring attention merges blocks by log-sum-exp, the
 gradient norm is summed per shard, stage and replica, so results differ from 01 by float32 rounding
@@ -40,12 +42,12 @@ parameters and are the most sensitive number (1.1e-5 relative at step 2 of a flo
 The Triton layouts are compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
 1e-3 (parameters): the kernels reorder float32 reductions themselves. They train on 8-token windows of
 synthetic tokens (mbs 1; 01's reference reads the same): the interpreter's cost is per row.
-The cp2 × pp2 layout with 3 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step float32 run one of the
-1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose rounding AdamW turned into a
-visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same tolerances: its gradients are
-those of plain DP reduce-scattered instead of all-reduced, its norm a sum of shard squares (one more
-rounding order), and AdamW steps the same elements (a cp2 × dp2 run with grad-acc 3 showed the
-amplified outlier too, 2.6e-5 on one v_proj weight of 512; in float64 it agrees to 1e-8). The norms
+The cp2 × pp2 layout with 3 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step
+float32 run one of the 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose
+rounding AdamW turned into a visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same
+tolerances: its gradients are those of plain DP reduce-scattered instead of all-reduced, its norm a sum of
+shard squares (one more rounding order), and AdamW steps the same elements (a cp2 × dp2 run with grad-acc 3
+showed the amplified outlier too, 2.6e-5 on one v_proj weight of 512; in float64 it agrees to 1e-8). The norms
 (1.4, then 2.2) are above --grad-clip 1, so clipping by the ZeRO-1 norm is exercised.
 
 Layout: Llama 3's 16-rank grid (playbook §4.1) from 02's pure layout function and 06's pipelines;
@@ -249,8 +251,8 @@ def _check(flag_set, per_rank):
         _, pp_rank, _, tp_rank = run["coords"]
         for name, local in run["state"].items():
             local = torch.from_numpy(local)
-            torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp), **param_tol,
-                                       msg=lambda m: f"{what} {name}: {m}")
+            torch.testing.assert_close(local, shard_like(ref_state[name], local, tp_rank, layout.tp),
+                                       **param_tol, msg=lambda m: f"{what} {name}: {m}")
             covered.add(name)
         # an evaluation (the last thing a run with --eval-every does) releases what ZeRO-3's forwards gathered
         assert run["resident"] == 0, (what, run["resident"])
@@ -269,8 +271,8 @@ def _check(flag_set, per_rank):
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
         if layout.zero_stage:
-            _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1], steps,
-                         what)
+            _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1],
+                         steps, what)
         if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
             whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), args.seq_len,
                                          mbs, grad_acc, pp_rank)["parameters"]
@@ -298,8 +300,8 @@ def _check_partitioned_checkpoints(per_rank, layout, config, mbs):
 
 
 def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
-    """ZeRO-1 (03's formulas on 08's grid, e bytes per element): the AdamW states are 2eΨ/N, N = cp·dp (N/ep for
-    the experts): 1/N of plain DP's; in the dp groups, reduce-scatter and all-gather each move (N−1)/N of
+    """ZeRO-1 (03's formulas on 08's grid, e bytes per element): the AdamW states are 2eΨ/N, N = cp·dp (N/ep
+    for the experts): 1/N of plain DP's; in the dp groups, reduce-scatter and all-gather each move (N−1)/N of
     this rank's parameter bytes (nothing is padded at these sizes) and the all-reduces only scalars: the
     logged loss (float64) and the norm squares (two, and the experts' one)."""
     n = layout.dp * layout.cp
@@ -307,8 +309,8 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
     dense, expert = planner.stage_parameters(config, layout, pp_rank)
     assert run["states"][2] == 2 * e * (dense // n + expert // n_expert), what
     if not expert:
-        plain_dp = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN, mbs,
-                                        grad_acc, pp_rank)["optimizer"]
+        plain_dp = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN,
+                                        mbs, grad_acc, pp_rank)["optimizer"]
         assert run["states"][2] * n == plain_dp, what
     wire = {key: w for key, (_, _, w) in run["comm"].items()}
     for op in ("reduce_scatter", "all_gather"):
@@ -316,7 +318,8 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
         assert wire.get((op, "expert_dp"), 0) == steps * (n_expert - 1) * expert * e // n_expert, (what, op)
     scalars = wire[("all_reduce", "cp_dp")] + wire.get(("all_reduce", "dp"), 0)
     assert scalars == steps * 2 * (n - 1) * (8 + 2 * e) // n, what
-    assert wire.get(("all_reduce", "expert_dp"), 0) == (expert > 0) * steps * 2 * (n_expert - 1) * e // n_expert, what
+    assert (wire.get(("all_reduce", "expert_dp"), 0)
+            == (expert > 0) * steps * 2 * (n_expert - 1) * e // n_expert), what
 
 
 def _check_in_backward(run, layout, extra, whole, what):
@@ -365,11 +368,12 @@ EIGHT_RANKS = {
                                               "--resume", grad_acc=4)}
 FOUR_RANKS = {
     "cp2contiguous-pp2-selective-fp64": _flags("--cp", 2, "--cp-layout", "contiguous", "--pp", 2,
-                                               "--recompute", "selective", mbs=4, grad_acc=3, dtype="float64"),
+                                               "--recompute", "selective",
+                                               mbs=4, grad_acc=3, dtype="float64"),
     "cp2ulysses-pp2-afab": _flags("--cp", 2, "--cp-attn", "ulysses", "--attn", "eager", "--pp", 2,
                                   "--pp-schedule", "afab", mbs=4),
-    "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton", *SHORT,
-                               mbs=1),
+    "tp2sp-pp2-triton": _flags("--tp", 2, "--sp", "--pp", 2, "--kernels", "triton", "--attn", "triton",
+                               *SHORT, mbs=1),
     "dp2ep2-pp2-zbh1-moe-capacity": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                            "--num-experts", 4, "--capacity-factor", 1),
     "cp2zigzag-pp2-full-moe": _flags("--cp", 2, "--cp-layout", "zigzag", "--pp", 2, "--num-experts", 4,
@@ -390,23 +394,27 @@ FOUR_RANKS = {
                                      "--recompute", "full", "--partition-activations", grad_acc=4),
     "tp2-pp2-afab-pa": _flags("--tp", 2, "--pp", 2, "--pp-schedule", "afab", "--recompute", "full",
                               "--partition-activations", grad_acc=2),
-    "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
-                                        "--zero-stage", 1, grad_acc=4),
+    "zero1-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
+                                        "--pp-chunks", 2, "--zero-stage", 1, grad_acc=4),
     "zero1-dp4ep2-moe": _flags("--dp", 4, "--ep", 2, "--num-experts", 4, "--zero-stage", 1, mbs=1),
     "zero1-cp2contiguous-dp2ep2-moe": _flags("--cp", 2, "--cp-layout", "contiguous", "--dp", 2, "--ep", 2,
                                              "--num-experts", 4, "--zero-stage", 1),
     "overlap-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--dp-mode", "overlap",
                                    grad_acc=4),
-    "bucket-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
-                                         "--dp-mode", "bucket", "--bucket-mb", 0.02, grad_acc=4),
-    "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2, grad_acc=4),
+    "bucket-dp2-pp2-interleaved": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
+                                         "--pp-chunks", 2, "--dp-mode", "bucket", "--bucket-mb", 0.02,
+                                         grad_acc=4),
+    "zero2-dp2-pp2-zbh1": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "zb-h1", "--zero-stage", 2,
+                                 grad_acc=4),
     "zero2-dp2-pp2-dualpipev": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "dualpipev", "--pp-chunks", 2,
                                       "--zero-stage", 2, grad_acc=4),
     "zero3-dp2-pp2-interleaved-eval": _flags("--dp", 2, "--pp", 2, "--pp-schedule", "interleaved",
                                              "--pp-chunks", 2, "--zero-stage", 3, "--eval-every", 1,
                                              "--eval-batches", 1, grad_acc=4),
-    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT, "--zero-stage", 3, mbs=1),
-    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT, "--zero-stage", 2, mbs=1),
+    "zero3-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT,
+                                   "--zero-stage", 3, mbs=1),
+    "zero2-dp2-pp2-triton": _flags("--dp", 2, "--pp", 2, "--kernels", "triton", *SHORT,
+                                   "--zero-stage", 2, mbs=1),
     "zero3-dp2ep2-pp2-zbh1-moe": _flags("--dp", 2, "--ep", 2, "--pp", 2, "--pp-schedule", "zb-h1",
                                         "--num-experts", 4, "--zero-stage", 3)}
 
@@ -447,7 +455,8 @@ def test_llama3_sixteen_rank_groups():
     grid = process_grid.grid_layout(16, dp=2, pp=2, cp=2, tp=2)
     groups = {name: process_grid._groups_along(grid, dims) for name, dims in
               (("dp", (0,)), ("pp", (1,)), ("cp", (2,)), ("tp", (3,)), ("cp_dp", (0, 2)))}
-    assert [0, 1] in groups["tp"] and [0, 2] in groups["cp"] and [0, 4] in groups["pp"] and [0, 8] in groups["dp"]
+    assert ([0, 1] in groups["tp"] and [0, 2] in groups["cp"] and [0, 4] in groups["pp"]
+            and [0, 8] in groups["dp"])
     assert [0, 2, 8, 10] in groups["cp_dp"]           # the ranks whose dense gradients are averaged
     for name, lists in groups.items():                # each dimension partitions the 16 ranks
         assert sorted(r for ranks in lists for r in ranks) == list(range(16)), name
@@ -469,7 +478,8 @@ def _check_layout(*flags, world):
 @pytest.mark.parametrize("flags, world, message", [
     (("--dp", 2, "--tp", 2, "--pp", 2), 4, r"dp·pp·cp·tp = 2·2·1·2 = 8 does not equal the world size 4"),
     (("--pp", 3), 3, r"pp·pp-chunks = 3·1 = 3 does not divide num_layers=4"),
-    (("--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--grad-acc", 3), 2, r"multiple of pp=2, got 3"),
+    (("--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--grad-acc", 3), 2,
+     r"multiple of pp=2, got 3"),
     (("--pp", 2, "--tie-embeddings"), 2, r"--tie-embeddings with --pp > 1"),
     (("--tp", 3, "--pp", 2), 6, r"tp=3 does not divide num_attention_heads=4"),
     (("--tp", 2, "--pp", 2, "--hidden-size", 48, "--num-heads", 6, "--num-kv-heads", 3), 4,
@@ -486,10 +496,12 @@ def _check_layout(*flags, world):
     (("--dp", 2, "--ep", 4, "--num-experts", 4), 2, r"ep=4 does not divide dp=2"),
     (("--tp", 2, "--sp", "--num-experts", 4), 2, r"--num-experts with --sp is not supported: .* drop --sp"),
     (("--tp", 2, "--sp", "--cp", 2, "--num-experts", 4), 4, r"--num-experts with --sp is not supported"),
-    (("--cp", 2, "--num-experts", 4, "--capacity-factor", 1), 2, r"--capacity-factor with --cp > 1 is not supported"),
+    (("--cp", 2, "--num-experts", 4, "--capacity-factor", 1), 2,
+     r"--capacity-factor with --cp > 1 is not supported"),
     (("--dp", 2, "--pp", 2, "--zero-stage", 2, "--dp-mode", "bucket"), 4,
      r"--dp-mode bucket is data parallelism's all-reduce \(--zero-stage 0\); .* drop --dp-mode"),
-    (("--dp", 2, "--zero-stage", 3, "--tie-embeddings"), 2, r"--zero-stage 3 gathers .* drop --tie-embeddings"),
+    (("--dp", 2, "--zero-stage", 3, "--tie-embeddings"), 2,
+     r"--zero-stage 3 gathers .* drop --tie-embeddings"),
     (("--dp", 2, "--dp-mode", "bucket", "--bucket-mb", 0), 2, r"--bucket-mb must be positive"),
 ])
 def test_bad_layouts_fail_before_any_process_group(flags, world, message):
@@ -503,7 +515,8 @@ def test_upcycling_under_tp_fails_before_any_process_group(tmp_path):
     args = cli.parse_args(layout_rules.build_parser("test"), common.argv())
     import build
     hf_io.save_hf(build.materialize(build.build_model(args, cli.model_config(args, 257)), args), tmp_path)
-    with pytest.raises(ValueError, match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
+    with pytest.raises(ValueError,
+                       match=r"--init-from with --num-experts and --tp > 1: .* upcycle with --tp 1"):
         _check_layout("--tp", 2, "--num-experts", 4, "--init-from", tmp_path, world=2)
 
 
@@ -552,7 +565,8 @@ def test_planner_korthikanti_activations():
     assert gpt3_layer_activations() / 1e9 == pytest.approx(2.869, abs=5e-4)
     assert gpt3_layer_activations(tp=8) / 1e6 == pytest.approx(579, abs=0.5)
     assert gpt3_layer_activations(tp=8, sp=True) / 1e6 == pytest.approx(359, abs=0.5)
-    assert gpt3_layer_activations(tp=8, sp=True, recompute="selective") / 1e6 == pytest.approx(106.95, abs=0.01)
+    assert (gpt3_layer_activations(tp=8, sp=True, recompute="selective") / 1e6
+            == pytest.approx(106.95, abs=0.01))
     assert gpt3_layer_activations(recompute="full") / 1e6 == pytest.approx(50.3, abs=0.05)
 
 
@@ -565,16 +579,16 @@ def test_planner_bubble_table_p8():
         assert timeline.theory_bubble(schedule, 8, m, v) == pytest.approx(bubble, abs=5e-4), (m, v)
     out = io.StringIO()
     with redirect_stdout(out):
-        planner.main(common.argv("--pp", 8, "--num-layers", 16, "--pp-schedule", "interleaved", "--pp-chunks", 2,
-                                 "--grad-acc", 32))
+        planner.main(common.argv("--pp", 8, "--num-layers", 16, "--pp-schedule", "interleaved",
+                                 "--pp-chunks", 2, "--grad-acc", 32))
     assert "pipeline bubble (interleaved, p=8, m=32, V=2): 10.94% of useful time" in out.getvalue()
 
 
 def test_planner_overlap_ratios_follow_their_derivations():
     """E6: the DP ratio is t_comm/t_compute with the whole gradient (2Ψe(N−1)/N over bw) against the
     backward of one micro-batch (4·tokens·Ψ FLOPs): Ψ cancels. E9: TP uses the appendix's (t−1)/(2h)."""
-    config = modeling.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                                  num_attention_heads=32, num_key_value_heads=4)
+    config = modeling.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                  num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4)
     layout = planner.Layout(dp=4, tp=2, pp=2, cp=2, precision="mixed")
     peak, bw = 1e15, dict(dp=5e10, tp=4e11, pp=5e10, cp=4e11)
     ratios = planner.overlap_ratios(config, layout, seq_len=4096, mbs=1, peak_flops=peak, bw=bw)
@@ -586,6 +600,7 @@ def test_planner_overlap_ratios_follow_their_derivations():
     out = io.StringIO()
     with redirect_stdout(out):
         planner.main(["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "16", "--dp", "64",
-                      "--tp", "2", "--gpu-mem", "1", "--peak-tflops", "1000", "--bw-intra", "400", "--bw-inter", "50"])
+                      "--tp", "2", "--gpu-mem", "1", "--peak-tflops", "1000",
+                      "--bw-intra", "400", "--bw-inter", "50"])
     text = out.getvalue()
     assert "DOES NOT FIT" in text and "EXPOSED" in text

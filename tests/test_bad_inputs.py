@@ -26,11 +26,13 @@ import common
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {n[:2]: n for n in ("01_single_gpu", "02_data_parallel", "03_zero", "04_tensor_parallel",
-                              "05_sequence_context_parallel", "06_pipeline", "07_expert_parallel", "08_5d_combined")}
-# A short run of a small model on the default corpus: a mistake the checks miss trains for a second, not minutes.
+                              "05_sequence_context_parallel", "06_pipeline", "07_expert_parallel",
+                              "08_5d_combined")}
+# A short run of a small model on the default corpus:
+# a mistake the checks miss trains for a second, not minutes.
 BASE = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "2", "--num-heads", "4",
-        "--num-kv-heads", "2", "--seq-len", str(common.SEQ_LEN), "--steps", "2", "--mbs", "2", "--warmup-steps", "1",
-        "--no-progress"]
+        "--num-kv-heads", "2", "--seq-len", str(common.SEQ_LEN), "--steps", "2", "--mbs", "2",
+        "--warmup-steps", "1", "--no-progress"]
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
 # Every run sees a hub endpoint that refuses connections at once, so no case can download, online or not.
 UNREACHABLE_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9"}
@@ -61,7 +63,8 @@ CASES = [
     ("timeout-0", "01", ["--timeout-s", "0"], "--timeout-s must be a positive finite number", {}),
     ("checkpoint-every-negative", "01", ["--checkpoint-every", "-5", "--checkpoint-dir", "{fresh}"],
      "--checkpoint-every must be 0 or more", {}),
-    ("checkpoint-every-without-dir", "01", ["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir", {}),
+    ("checkpoint-every-without-dir", "01", ["--checkpoint-every", "5"],
+     "--checkpoint-every needs --checkpoint-dir", {}),
     ("keep-last-without-dir", "01", ["--keep-last", "2"], "--keep-last needs --checkpoint-dir", {}),
     ("keep-last-negative", "01", ["--keep-last", "-1", "--checkpoint-dir", "{fresh}"],
      "--keep-last must be 0 or more", {}),
@@ -80,27 +83,33 @@ CASES = [
     ("kv-heads-0", "01", ["--num-kv-heads", "0"], "--num-kv-heads must be at least 1", {}),
     ("hidden-0", "01", ["--hidden-size", "0"], "--hidden-size must be at least 1", {}),
     ("layers-0", "01", ["--num-layers", "0"], "--num-layers must be at least 1", {}),
-    ("intermediate-negative", "01", ["--intermediate-size", "-64"], "--intermediate-size must be at least 1", {}),
-    ("kv-heads-not-dividing", "01", ["--num-kv-heads", "3"], "num_kv_heads=3 does not divide num_heads=4", {}),
-    ("heads-not-dividing-hidden", "01", ["--hidden-size", "30"], "num_heads=4 does not divide hidden_size=30", {}),
+    ("intermediate-negative", "01", ["--intermediate-size", "-64"],
+     "--intermediate-size must be at least 1", {}),
+    ("kv-heads-not-dividing", "01", ["--num-kv-heads", "3"],
+     "num_kv_heads=3 does not divide num_heads=4", {}),
+    ("heads-not-dividing-hidden", "01", ["--hidden-size", "30"],
+     "num_heads=4 does not divide hidden_size=30", {}),
     ("odd-head-dim", "01", ["--hidden-size", "36"], "head_dim=9 must be even", {}),
     ("vocab-below-tokenizer", "01", ["--vocab-size", "100"], "is smaller than the tokenizer's 257", {}),
     ("vocab-negative", "01", ["--vocab-size", "-1"], "--vocab-size must be at least 1", {}),
     # --- paths the run writes: refused before step 1, not after the run
-    ("json-log-missing-folder", "01", ["--json-log", "{missing}/log.jsonl"], "create it or pass another path", {}),
+    ("json-log-missing-folder", "01", ["--json-log", "{missing}/log.jsonl"],
+     "create it or pass another path", {}),
     ("json-log-is-a-folder", "01", ["--json-log", "{empty}"], "is a folder: pass a file path", {}),
     ("json-log-under-a-file", "01", ["--json-log", "{file}/log.jsonl"], "is a file, not a folder", {}),
     ("checkpoint-dir-is-a-file", "01", ["--checkpoint-dir", "{file}"], "is a file: pass a folder", {}),
     ("checkpoint-dir-under-a-file", "01", ["--checkpoint-dir", "{file}/ckpt"], "is a file, not a folder", {}),
     ("checkpoint-dir-of-another-run", "01", ["--checkpoint-dir", "{ckpt}"],
      "pass --resume to continue it, --overwrite to replace it", {}),
-    ("timeline-missing-folder", "06", ["--timeline", "{missing}/t.png"], "create it or pass another path", {}),
+    ("timeline-missing-folder", "06", ["--timeline", "{missing}/t.png"],
+     "create it or pass another path", {}),
     ("timeline-not-a-picture", "06", ["--timeline", "{fresh}.txt"], "use .png, .svg or .pdf", {}),
     # --- resume
     ("resume-missing-dir", "01", ["--resume", "--checkpoint-dir", "{missing}"],
      "pass the --checkpoint-dir of the run", {}),
     ("resume-empty-dir", "01", ["--resume", "--checkpoint-dir", "{empty}"], "no checkpoint in", {}),
-    ("resume-corrupt", "01", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"], "fails its sha256 check", {}),
+    ("resume-corrupt", "01", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"],
+     "fails its sha256 check", {}),
     ("resume-truncated", "01", ["--resume", "--checkpoint-dir", "{ckpt_truncated}"], "the manifest says", {}),
     ("resume-bad-manifest", "01", ["--resume", "--checkpoint-dir", "{ckpt_bad_manifest}"],
      "manifest.json is not valid JSON", {}),
@@ -112,7 +121,8 @@ CASES = [
      "global batch of 4 sequences differs from the checkpoint's 2", {}),
     ("resume-experts-into-01", "01", ["--resume", "--checkpoint-dir", "{ckpt_experts}"],
      "saved by a mixture-of-experts run (4 experts per layer), this run has 0", {}),
-    # --resume auto starts a new run only where no checkpoint exists: another run's, or damaged ones, are refused
+    # --resume auto starts a new run only where no checkpoint exists:
+    # another run's, or damaged ones, are refused
     ("resume-auto-other-seed", "01", ["--resume", "auto", "--checkpoint-dir", "{ckpt}", "--seed", "7"],
      "--seed 7 differs from the checkpoint's 1234", {}),
     ("resume-auto-corrupt", "01", ["--resume", "auto", "--checkpoint-dir", "{ckpt_corrupt}"],
@@ -122,13 +132,17 @@ CASES = [
     ("resume-unknown-mode", "01", ["--resume", "newest", "--checkpoint-dir", "{ckpt}"],
      "argument --resume: invalid choice: 'newest'", {}),
     # --- data
-    ("dataset-csv-missing", "01", ["--dataset", "x.csv"], "does not exist: pass --dataset an existing file", {}),
+    ("dataset-csv-missing", "01", ["--dataset", "x.csv"],
+     "does not exist: pass --dataset an existing file", {}),
     ("dataset-csv", "01", ["--dataset", "{csv}"], "convert it to .jsonl or .parquet", {}),
-    ("dataset-missing-folder", "01", ["--dataset", "{missing}/"], "does not exist: pass --dataset an existing file", {}),
-    ("dataset-hub-offline", "01", ["--dataset", "roneneldan/TinyStories"], "offline: pass a local directory", OFFLINE),
-    ("dataset-hub-unreachable", "01", ["--dataset", "roneneldan/TinyStories"], "offline: pass a local directory",
-     {"HF_HUB_OFFLINE": None}),
-    ("dataset-no-supported-files", "01", ["--dataset", "{pictures}"], "no .txt/.md/.py or .jsonl/.json/.parquet", {}),
+    ("dataset-missing-folder", "01", ["--dataset", "{missing}/"],
+     "does not exist: pass --dataset an existing file", {}),
+    ("dataset-hub-offline", "01", ["--dataset", "roneneldan/TinyStories"],
+     "offline: pass a local directory", OFFLINE),
+    ("dataset-hub-unreachable", "01", ["--dataset", "roneneldan/TinyStories"],
+     "offline: pass a local directory", {"HF_HUB_OFFLINE": None}),
+    ("dataset-no-supported-files", "01", ["--dataset", "{pictures}"],
+     "no .txt/.md/.py or .jsonl/.json/.parquet", {}),
     ("dataset-mixed-folder", "01", ["--dataset", "{mixed}"], "split them into two folders", {}),
     ("dataset-invalid-jsonl", "01", ["--dataset", "{bad_jsonl}"], "is not JSON", {}),
     ("dataset-jsonl-no-column", "01", ["--dataset", "{body_jsonl}"], "pass --text-column", {}),
@@ -137,35 +151,39 @@ CASES = [
     ("dataset-corrupt-parquet", "01", ["--dataset", "{bad_parquet}"], "is not a Parquet file", {}),
     ("dataset-too-small", "01", ["--dataset", "{small_txt}"], "pass more text", {}),
     # --- the fast path: --dataset synthetic, --compile, a preset that ties its embeddings
-    ("synthetic-with-tokenizer", "01", ["--dataset", "synthetic", "--tokenizer", "{tok_no_eos}"], "drop --tokenizer",
-     {}),
-    ("synthetic-with-text-column", "01", ["--dataset", "synthetic", "--text-column", "body"], "drop --text-column",
-     {}),
+    ("synthetic-with-tokenizer", "01", ["--dataset", "synthetic", "--tokenizer", "{tok_no_eos}"],
+     "drop --tokenizer", {}),
+    ("synthetic-with-text-column", "01", ["--dataset", "synthetic", "--text-column", "body"],
+     "drop --text-column", {}),
     ("synthetic-vocab-below-tokenizer", "01", ["--dataset", "synthetic", "--vocab-size", "100"],
      "pass --vocab-size 257 or more", {}),
     ("compile-without-compiler", "01", ["--compile"], "install g++ (or set CXX)", {"CXX": "/no/such/c++"}),
     ("compile-moe", "07", ["--compile"], "--compile does not take the mixture-of-experts layer", {}),
-    ("tied-preset-zero3", "03", ["--preset", "llama3-1b", "--zero-stage", "3"], "pass --no-tie-embeddings", {}),
+    ("tied-preset-zero3", "03", ["--preset", "llama3-1b", "--zero-stage", "3"],
+     "pass --no-tie-embeddings", {}),
     ("tied-preset-pp2", "06", ["--preset", "llama3-1b", "--pp", "2"], "pass --no-tie-embeddings", {}),
     # --- tokenizer
     ("tokenizer-missing-dir", "01", ["--tokenizer", "./no-such-tokenizer"], "no such folder", {}),
     ("tokenizer-missing-abs", "01", ["--tokenizer", "{missing}/tok"], "no such folder", {}),
     ("tokenizer-empty-dir", "01", ["--tokenizer", "{empty}"], "holds no tokenizer", {}),
     ("tokenizer-corrupt", "01", ["--tokenizer", "{tok_corrupt}"], "could not be loaded", {}),
-    ("tokenizer-hub-offline", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"], "offline: pass a local directory",
-     OFFLINE),
-    ("tokenizer-hub-unreachable", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"], "offline: pass a local directory",
-     {"HF_HUB_OFFLINE": None}),
+    ("tokenizer-hub-offline", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"],
+     "offline: pass a local directory", OFFLINE),
+    ("tokenizer-hub-unreachable", "01", ["--tokenizer", "meta-llama/Llama-3.2-1B"],
+     "offline: pass a local directory", {"HF_HUB_OFFLINE": None}),
     ("tokenizer-without-eos", "01", ["--tokenizer", "{tok_no_eos}"], "save it with one (eos_token=...)", {}),
     # --- --init-from
     ("init-from-missing", "01", ["--init-from", "{missing}"], "no such folder", {}),
     ("init-from-hub-name", "01", ["--init-from", "meta-llama/Llama-3.2-1B"], "no such folder", OFFLINE),
     ("init-from-no-config", "01", ["--init-from", "{empty}"], "no config.json in it", {}),
     ("init-from-bad-json", "01", ["--init-from", "{hf_bad_json}"], "config.json is not valid JSON", {}),
-    ("init-from-missing-keys", "01", ["--init-from", "{hf_missing_keys}"], "config.json lacks hidden_size", {}),
+    ("init-from-missing-keys", "01", ["--init-from", "{hf_missing_keys}"],
+     "config.json lacks hidden_size", {}),
     ("init-from-no-weights", "01", ["--init-from", "{hf_no_weights}"], "no model.safetensors", {}),
-    ("init-from-corrupt-weights", "01", ["--init-from", "{hf_corrupt}"], "is not a readable safetensors file", {}),
-    ("init-from-truncated-weights", "01", ["--init-from", "{hf_truncated}"], "is not a readable safetensors file", {}),
+    ("init-from-corrupt-weights", "01", ["--init-from", "{hf_corrupt}"],
+     "is not a readable safetensors file", {}),
+    ("init-from-truncated-weights", "01", ["--init-from", "{hf_truncated}"],
+     "is not a readable safetensors file", {}),
     ("init-from-other-shapes", "01", ["--init-from", "{hf_other_shapes}"], "config.json implies", {}),
     ("init-from-missing-shard", "01", ["--init-from", "{hf_missing_shard}"],
      "names model-00002-of-00002.safetensors", {}),
@@ -178,11 +196,13 @@ CASES = [
     ("02-dataset-csv", "02", ["--dataset", "{csv}"], "convert it to .jsonl or .parquet", {}),
     ("02-tokenizer-missing", "02", ["--tokenizer", "{missing}/tok"], "no such folder", {}),
     ("02-init-from-no-weights", "02", ["--init-from", "{hf_no_weights}"], "no model.safetensors", {}),
-    ("02-resume-corrupt", "02", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"], "fails its sha256 check", {}),
-    ("03-json-log-missing-folder", "03", ["--json-log", "{missing}/log.jsonl"], "create it or pass another path", {}),
+    ("02-resume-corrupt", "02", ["--resume", "--checkpoint-dir", "{ckpt_corrupt}"],
+     "fails its sha256 check", {}),
+    ("03-json-log-missing-folder", "03", ["--json-log", "{missing}/log.jsonl"],
+     "create it or pass another path", {}),
     ("tp-3", "04", ["--tp", "3"], "tp=3 does not divide num_attention_heads=4", {}),
-    ("partition-activations-alone", "04", ["--partition-activations"], "add --recompute full and --tp 2 or more",
-     {}),
+    ("partition-activations-alone", "04", ["--partition-activations"],
+     "add --recompute full and --tp 2 or more", {}),
     ("04-checkpoint-dir-is-a-file", "04", ["--checkpoint-dir", "{file}"], "is a file: pass a folder", {}),
     ("sp-without-tp", "05", ["--sp"], "--sp", {}),
     ("cp-seq-len", "05", ["--cp", "3"], "cp", {}),
@@ -192,7 +212,8 @@ CASES = [
     ("07-log-every-0", "07", ["--log-every", "0"], "--log-every must be at least 1", {}),
     ("dp-mode-with-zero-in-08", "08", ["--zero-stage", "2", "--dp-mode", "bucket"], "drop --dp-mode", {}),
     ("08-grad-clip-negative", "08", ["--grad-clip", "-1"], "--grad-clip must be 0 (off) or positive", {}),
-    # --- issue 23: more key/value heads than query heads, every float flag finite, outputs that cannot be made
+    # --- issue 23: more key/value heads than query heads, every float flag finite,
+    # outputs that cannot be made
     ("kv-heads-above-heads", "01", ["--num-heads", "2", "--num-kv-heads", "4"],
      "--num-kv-heads 4 is more than --num-heads 2", {}),
     ("min-lr-ratio-nan", "01", ["--min-lr-ratio", "nan"], "--min-lr-ratio must be between 0 and 1", {}),
@@ -203,9 +224,12 @@ CASES = [
     ("bucket-mb-nan", "02", ["--bucket-mb", "nan"], "--bucket-mb must be positive (a finite number)", {}),
     ("capacity-factor-nan", "07", ["--capacity-factor", "nan"],
      "--capacity-factor must be non-negative (a finite number)", {}),
-    ("router-z-loss-nan", "07", ["--router-z-loss", "nan"], "--router-z-loss must be non-negative (a finite", {}),
-    ("router-z-loss-inf", "07", ["--router-z-loss", "inf"], "--router-z-loss must be non-negative (a finite", {}),
-    ("aux-loss-coef-nan", "07", ["--aux-loss-coef", "nan"], "--aux-loss-coef must be non-negative (a finite", {}),
+    ("router-z-loss-nan", "07", ["--router-z-loss", "nan"],
+     "--router-z-loss must be non-negative (a finite", {}),
+    ("router-z-loss-inf", "07", ["--router-z-loss", "inf"],
+     "--router-z-loss must be non-negative (a finite", {}),
+    ("aux-loss-coef-nan", "07", ["--aux-loss-coef", "nan"],
+     "--aux-loss-coef must be non-negative (a finite", {}),
     ("08-capacity-factor-inf", "08", ["--num-experts", "4", "--capacity-factor", "inf"],
      "--capacity-factor must be non-negative (a finite number)", {}),
     ("tensorboard-uncreatable", "01", ["--tensorboard", "/proc/no-such-folder/tb"], "pass another path", {}),
@@ -220,9 +244,11 @@ NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu"}     # on a GPU machi
 
 # The tools that read checkpoints and the planner: (id, script, whole argv, the fix, env). A tool's line names
 # its own flags: none of them has --resume.
-GENERATE, EXPORT, PLANNER = "01_single_gpu/runtime/generate.py", "01_single_gpu/runtime/export_hf.py", "08_5d_combined/planner.py"
+GENERATE, EXPORT, PLANNER = ("01_single_gpu/runtime/generate.py", "01_single_gpu/runtime/export_hf.py",
+                             "08_5d_combined/planner.py")
 TOOL_CASES = [
-    ("generate-temperature-nan", GENERATE, ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
+    ("generate-temperature-nan", GENERATE,
+     ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
      "--temperature (a finite number)", {}),
     ("generate-no-such-step", GENERATE, ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--step", "99"],
      "holds no checkpoint of step 99 (it holds 2, 1)", {}),
@@ -232,8 +258,8 @@ TOOL_CASES = [
      "pass the --checkpoint-dir of a run whose save finished", {}),
     ("generate-torn-step", GENERATE, ["--checkpoint-dir", "{ckpt_truncated}", "--prompt", "x", "--step", "1"],
      "a torn copy: pass another --step", {}),
-    ("export-out-is-a-file", EXPORT, ["--checkpoint-dir", "{ckpt}", "--out", "{file}"], "is a file: pass a folder",
-     {}),
+    ("export-out-is-a-file", EXPORT, ["--checkpoint-dir", "{ckpt}", "--out", "{file}"],
+     "is a file: pass a folder", {}),
     ("export-out-holds-a-model", EXPORT, ["--checkpoint-dir", "{ckpt}", "--out", "{hf_good}"],
      "already holds a model (config.json, model.safetensors): pass --overwrite", {}),
     ("export-corrupt", EXPORT, ["--checkpoint-dir", "{ckpt_corrupt}", "--out", "{fresh}"],
@@ -242,7 +268,8 @@ TOOL_CASES = [
     ("export-manifest-digit", EXPORT, ["--checkpoint-dir", "{ckpt_manifest_digit}", "--out", "{fresh}"],
      "manifest.json fails its own sha256 check", {}),
     ("planner-gpu-mem-nan", PLANNER, ["--gpu-mem", "nan"], "--gpu-mem must be a positive finite number", {}),
-    ("planner-bw-inter-inf", PLANNER, ["--bw-inter", "inf"], "--bw-inter must be a positive finite number", {}),
+    ("planner-bw-inter-inf", PLANNER, ["--bw-inter", "inf"],
+     "--bw-inter must be a positive finite number", {}),
     ("search-mem-reserve-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096",
                                         "--mem-reserve", "nan"], "--mem-reserve must be 0 or more GB", {}),
     ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
@@ -256,7 +283,8 @@ FULL_DISK = ("json-log-full-disk", "01", ["--json-log", "/dev/full", "--resume",
 
 def user_env():
     """A user's shell: no torchrun variables, HF_HUB_OFFLINE unset, and the unreachable hub endpoint."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HF_HUB_OFFLINE")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HF_HUB_OFFLINE")}
     return {**env, **UNREACHABLE_HUB}
 
 
@@ -317,12 +345,14 @@ def materials(tmp_path_factory):
     # Data sources.
     (root / "a.csv").write_text("text\nhello\n")
     m["csv"] = root / "a.csv"
-    for name, files in (("pictures", {"a.png": "\x89PNG"}), ("mixed", {"a.txt": "text", "b.jsonl": '{"text": "x"}'})):
+    for name, files in (("pictures", {"a.png": "\x89PNG"}),
+                        ("mixed", {"a.txt": "text", "b.jsonl": '{"text": "x"}'})):
         m[name] = root / name
         m[name].mkdir()
         for file, content in files.items():
             (m[name] / file).write_text(content)
-    for name, text in (("bad_jsonl", '{"text": "unfinished\n'), ("body_jsonl", '{"body": "no text column"}\n'),
+    for name, text in (("bad_jsonl", '{"text": "unfinished\n'),
+                       ("body_jsonl", '{"body": "no text column"}\n'),
                        ("number_jsonl", '{"text": 5}\n'), ("empty_jsonl", "")):
         m[name] = root / f"{name}.jsonl"
         m[name].write_text(text)
@@ -352,7 +382,8 @@ def materials(tmp_path_factory):
     def hf_variant(name, config_text=None, weights=None):
         m[name] = root / name
         m[name].mkdir()
-        (m[name] / "config.json").write_text(config_text if config_text is not None else json.dumps(good_config))
+        (m[name] / "config.json").write_text(config_text if config_text is not None
+                                             else json.dumps(good_config))
         if weights is not None:
             (m[name] / "model.safetensors").write_bytes(weights)
     good_weights = (m["hf_good"] / "model.safetensors").read_bytes()
@@ -388,7 +419,8 @@ def results(materials):
                           input=json.dumps(runs), capture_output=True, text=True, cwd=ROOT, env=user_env(),
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, json.loads(done.stdout))}
+    return {case[0]: result
+            for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, json.loads(done.stdout))}
 
 
 def check_one_line(result, fix, seconds, status=2):
@@ -423,7 +455,8 @@ def test_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoint(results, ma
     check_one_line(results[FULL_DISK[0]], FULL_DISK[3], SECONDS, status=1)
     import checkpoint
     folder = Path(materials["ckpt_full_disk"])
-    assert checkpoint.checkpoint_steps(folder) == [2, 1] and checkpoint.verify(folder / "step_000002")[0] is None
+    assert (checkpoint.checkpoint_steps(folder) == [2, 1]
+            and checkpoint.verify(folder / "step_000002")[0] is None)
 
 
 def test_the_table_is_large_enough():

@@ -64,7 +64,8 @@ def run(module, flags, world, steps, checkpoint_dir, resume):
     if world == 1:
         extra = ["--checkpoint-dir", checkpoint_dir] + (["--resume"] if resume else [])
         records = import_module(module).main(common.argv(*strip(flags), *SCHEDULE, *extra, steps=steps,
-                                                         mbs=flags_mbs(flags), grad_acc=flags_grad_acc(flags)))[0]
+                                                         mbs=flags_mbs(flags),
+                                                         grad_acc=flags_grad_acc(flags)))[0]
         return [r["loss"] for r in records]
     per_rank = run_ranks(_layout_run, world, args=(module, flags, steps, checkpoint_dir, resume), timeout=300)
     assert all(losses == per_rank[0] for losses in per_rank)                # every rank logs the global loss
@@ -90,8 +91,8 @@ CASES = {   # id: ((module, flags, world) that saves, (module, flags, world) tha
                         ("01_single_gpu.train", [], 1)),
     "01-to-tp2-pp2": (("01_single_gpu.train", [], 1),
                       ("08_5d_combined.train", ["--tp", 2, "--pp", 2, "--mbs", 2, "--grad-acc", 2], 4)),
-    "zero1-dp2-pp2-to-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 1, "--mbs", 1,
-                                                           "--grad-acc", 2], 4),
+    "zero1-dp2-pp2-to-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 1,
+                                                           "--mbs", 1, "--grad-acc", 2], 4),
                                  ("04_tensor_parallel.train", ["--tp", 2, "--dp", 2, "--mbs", 2], 4)),
     "zero3-dp2-pp2-to-zero3-tp2-dp2": (("08_5d_combined.train", ["--dp", 2, "--pp", 2, "--zero-stage", 3,
                                                                  "--mbs", 1, "--grad-acc", 2], 4),
@@ -105,8 +106,8 @@ def test_resume_in_another_layout_continues_the_run(tmp_path, reference, case):
     (save_module, save_flags, save_world), (load_module, load_flags, load_world) = CASES[case]
     ckpt = str(tmp_path / "ckpt")
     if save_world == load_world > 1:
-        per_rank = run_ranks(_two_layouts, save_world, args=((save_module, save_flags), (load_module, load_flags),
-                                                             ckpt), timeout=300)
+        per_rank = run_ranks(_two_layouts, save_world,
+                             args=((save_module, save_flags), (load_module, load_flags), ckpt), timeout=300)
         resumed = per_rank[0]
     else:
         run(save_module, save_flags, save_world, 2, ckpt, resume=False)

@@ -38,7 +38,8 @@ def run_01(*extra, capsys=None, **kw):
 
 
 def tensor_span(path, prefix="value/"):
-    """(start, end) byte offsets in a safetensors file of its largest tensor whose name starts with `prefix`."""
+    """(start, end) byte offsets in a safetensors file of its largest tensor whose name starts with
+    `prefix`."""
     data = Path(path).read_bytes()
     length = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + length])
@@ -107,7 +108,8 @@ def test_no_usable_checkpoint_refuses_naming_each(tmp_path, capsys):
     truncate(ckpt / "step_000001" / "rank_00000.safetensors")
     code, _, err = run_01("--checkpoint-dir", ckpt, "--resume", steps=4, capsys=capsys)
     assert code == 2 and err.count("\n") == 1, err
-    assert "step_000002: rank_00000.safetensors fails its sha256 check" in err and "step_000001: rank_00000" in err
+    assert ("step_000002: rank_00000.safetensors fails its sha256 check" in err
+            and "step_000001: rank_00000" in err)
 
 
 def test_a_new_run_refuses_another_runs_folder_unless_overwrite(tmp_path, capsys):
@@ -129,9 +131,9 @@ def test_resaving_a_step_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_pa
     """Saving step 2 again where step 2 exists, with the process dying as the new copy is moved into place
     (the rename fails): the old copy is still on disk, byte for byte (under step_000002.old). The old code
     removed it first."""
-    model = modeling.LlamaForCausalLM(modeling.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                                           num_hidden_layers=1, num_attention_heads=2,
-                                                           num_key_value_heads=2))
+    model = modeling.LlamaForCausalLM(modeling.LlamaConfig(vocab_size=64, hidden_size=16,
+                                                           intermediate_size=32, num_hidden_layers=1,
+                                                           num_attention_heads=2, num_key_value_heads=2))
     for name, p in model.named_parameters():
         p.global_name = name          # what 01's build.build_model gives every parameter
     optimizer = torch.optim.AdamW(model.parameters())
@@ -154,8 +156,8 @@ def test_resaving_a_step_keeps_the_old_copy_until_the_new_one_is_in_place(tmp_pa
 
 
 @pytest.mark.parametrize("failing", ["data", "manifest"])
-def test_a_full_disk_while_saving_ends_in_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
-                                                                                 failing):
+def test_a_full_disk_while_saving_ends_in_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys,
+                                                                                 monkeypatch, failing):
     """Step 2's save hits a full disk (ENOSPC) while writing its data file or its manifest: the run ends
     in one line naming --checkpoint-dir (exit status 1), step 1's checkpoint still verifies, and no torn
     step_000002.tmp is left behind. The old code ended in a traceback and left the torn folder."""
@@ -194,9 +196,10 @@ def test_resume_at_the_last_step_has_nothing_to_do(tmp_path, capsys):
     ckpt = tmp_path / "c"
     run_01("--checkpoint-dir", ckpt, steps=2)
     code, out, err = run_01("--checkpoint-dir", ckpt, "--resume", steps=2, capsys=capsys)
-    assert code == 0 and "nothing to do" in out and "holds step 2, and --steps is 2" in out and not err, (out, err)
-    pp = [sys.executable, str(ROOT / "06_pipeline" / "train.py"), *common.argv("--checkpoint-dir", tmp_path / "p",
-                                                                            "--pp", 1, steps=2)]
+    assert (code == 0 and "nothing to do" in out and "holds step 2, and --steps is 2" in out
+            and not err), (out, err)
+    pp = [sys.executable, str(ROOT / "06_pipeline" / "train.py"),
+          *common.argv("--checkpoint-dir", tmp_path / "p", "--pp", 1, steps=2)]
     subprocess.run(pp, capture_output=True, text=True, check=True, timeout=300)
     done = subprocess.run(pp + ["--resume"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "nothing to do" in done.stdout, done.stdout + done.stderr[-3000:]
@@ -243,4 +246,5 @@ def test_cross_folder_resume(tmp_path):
     shutil.rmtree(zero / "step_000006")
     log = tmp_path / "zero.jsonl"
     _subprocess("02_data_parallel", "--dp", 1, "--checkpoint-dir", zero, "--resume", "--json-log", log)
-    assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == pytest.approx(full[3:], rel=1e-6)
+    assert ([json.loads(line)["loss"] for line in log.read_text().splitlines()]
+            == pytest.approx(full[3:], rel=1e-6))

@@ -42,15 +42,17 @@ def stand_ins(tmp_path, srun_waits: bool = False) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     hosts = "".join(f"gpu-node-{i:02d}\\n" for i in range(7, 7 + 2000))   # long: a reader that stops early
-    (bin_dir / "scontrol").write_text(f"#!/bin/bash\n[ \"$1\" = requeue ] && echo \"$@\" > {tmp_path}/requeued "
-                                      f"&& exit 0\nprintf '{hosts}'\n")      # would SIGPIPE it
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n"
+                                      f"[ \"$1\" = requeue ] && echo \"$@\" > {tmp_path}/requeued && exit 0\n"
+                                      f"printf '{hosts}'\n")      # would SIGPIPE it
     trap = f"trap 'echo TERM > {tmp_path}/srun.signal; kill $!; exit 1' TERM\n" if srun_waits else ""
     (bin_dir / "srun").write_text(f"#!/bin/bash\n{trap}printf '%s\\n' \"$@\" > {tmp_path}/srun.args\n"
                                   + ("sleep 60 & wait $!\n" if srun_waits else ""))
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-node-[07-08]",
-                SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="picotron-5d", SLURM_SUBMIT_DIR=str(ROOT))
+                SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="picotron-5d",
+                SLURM_SUBMIT_DIR=str(ROOT))
 
 
 def test_sbatch_template_passes_flags_torchrun_and_the_trainer_accept(tmp_path, monkeypatch):
@@ -66,8 +68,8 @@ def test_sbatch_template_passes_flags_torchrun_and_the_trainer_accept(tmp_path, 
             torchrun.rdzv_id) == ("2", "8", "c10d", "gpu-node-07:29500", "4242")
     assert torchrun.training_script == "08_5d_combined/train.py"
     # a checkpoint folder per job name, resumed by every start of the job (the user's flags last: they win)
-    assert torchrun.training_script_args == ["--checkpoint-dir", "checkpoints/picotron-5d", "--resume", "auto",
-                                             *command[4:]]
+    assert torchrun.training_script_args == ["--checkpoint-dir", "checkpoints/picotron-5d",
+                                             "--resume", "auto", *command[4:]]
     # the trainer's flags exist and form a layout of 2 × 8 ranks (as on the cluster: CUDA visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "16")

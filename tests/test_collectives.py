@@ -54,7 +54,8 @@ def test_collectives_match_playbook_and_ring_all_reduce():
         assert r["all_to_all"] == [[10. * rank + j for j in range(3)], [10. * j + rank for j in range(3)]]
         arrived, passed = r["barrier"]
         assert passed >= 0.4 - 0.01 and arrived <= passed                   # the slowest rank slept 2 × 0.2 s
-        assert 0.2 * rank - 0.01 <= arrived < 0.2 * rank + 0.15            # each rank slept rank × 0.2 s first
+        # each rank slept rank × 0.2 s first
+        assert 0.2 * rank - 0.01 <= arrived < 0.2 * rank + 0.15
     sizes = [c.numel() for c in torch.tensor_split(torch.zeros(k), n)]      # [3, 3, 2, 2]
     for rank, r in enumerate(results):
         ring, reference, sent = r["ring"]

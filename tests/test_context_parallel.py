@@ -2,8 +2,9 @@
 
 Layer level (2 gloo ranks, float64, so only summation order differs: 1e-12): ring attention,
 all-gather K/V attention and Ulysses all-to-all attention (contiguous and zig-zag, grouped-query heads)
-against dense causal attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP against the dense model (loss and every
-gradient, with SP's norm-gradient all-reduce and CP's gradient averaging applied).
+against dense causal attention, forward and the q/k/v gradients; a whole model under TP+SP and under CP
+against the dense model (loss and every gradient, with SP's norm-gradient all-reduce and CP's gradient
+averaging applied).
 Formulas measured, not assumed: SP moves the same bytes as TP (all-reduce = reduce-scatter +
 all-gather), CP sends cp−1 K/V blocks per layer forward (cp−1 K/V + cp dK/dV backward), SP divides
 the norm-region activations by tp and changes nothing else, CP divides all activations by cp,
@@ -53,7 +54,8 @@ def check_attention(grid, attn):
     """`attn` (ring, all-gather K/V or Ulysses) in both layouts against dense attention: output and q/k/v
     gradients, and the collectives each makes."""
     torch.manual_seed(1)
-    q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, T, 8), torch.randn(B, 2, T, 8)   # GQA: 4 q / 2 kv heads
+    # GQA: 4 q / 2 kv heads
+    q, k, v = torch.randn(B, 4, T, 8), torch.randn(B, 2, T, 8), torch.randn(B, 2, T, 8)
     dense = [_leaf(t) for t in (q, k, v)]
     out = modeling.sdpa_attention(*dense)        # float64 throughout (eager's softmax is float32)
     upstream = torch.randn_like(out)
@@ -93,7 +95,8 @@ def check_models(tp_grid, cp_grid):
     sequence_parallel.all_reduce_norm_gradients(norms, tp_grid.tp_group)
     torch.testing.assert_close(loss, dense(x, labels=y), **EXACT)
     for (name, p), want in zip(sp.named_parameters(), dense.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size), **EXACT, msg=name)
+        torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size),
+                                   **EXACT, msg=name)
     for kind in context_parallel.LAYOUTS:
         layout = context_parallel.CPLayout(kind, cp_grid.cp_size)
         cp = context_parallel.apply_context_parallel(copy.deepcopy(dense), layout, cp_grid.cp_group)
@@ -101,7 +104,8 @@ def check_models(tp_grid, cp_grid):
         pos = layout.positions(cp_grid.cp_rank, T)
         cp_loss = cp(x[:, pos], labels=y[:, pos], position_ids=pos)
         cp_loss.backward()
-        total = cp_loss.detach().clone()     # every rank holds T/cp tokens, none ignored: the mean of the means
+        # every rank holds T/cp tokens, none ignored: the mean of the means
+        total = cp_loss.detach().clone()
         torch.distributed.all_reduce(total, group=cp_grid.cp_group)
         torch.testing.assert_close(total / cp_grid.cp_size, dense(x, labels=y), **EXACT)
         for (name, p), want in zip(cp.named_parameters(), dense.parameters(), strict=True):
@@ -231,7 +235,8 @@ def test_sequence_parallel_moves_the_same_bytes_as_tensor_parallel(measured):
     the ring wire bytes are equal (all-reduce = reduce-scatter + all-gather)."""
     bsh, t = B * T * C * 4, 2
     for result in measured:
-        for (tp_calls, tp_payload, tp_wire), (sp_calls, sp_payload, sp_wire) in zip(result["tp", "comm"], result["sp", "comm"]):
+        for (tp_calls, tp_payload, tp_wire), (sp_calls, sp_payload, sp_wire) in zip(result["tp", "comm"],
+                                                                                    result["sp", "comm"]):
             assert tp_calls == {("all_reduce", "tp"): 2} and tp_payload == {("all_reduce", "tp"): 2 * bsh}
             assert sp_calls == {("all_gather", "tp"): 2, ("reduce_scatter", "tp"): 2}
             assert sp_payload == {("all_gather", "tp"): 2 * bsh, ("reduce_scatter", "tp"): 2 * bsh}

@@ -188,8 +188,8 @@ def test_bpe_build_of_a_large_text_file_has_bounded_memory(tmp_path):
         vocab_size=400, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>").save_pretrained(tmp_path / "tok")
     assert len(text) > 5 * 2**20
-    out = subprocess.run([sys.executable, "-c", BUILD_IN_A_CHILD, str(ROOT / "01_single_gpu" / "runtime"), str(tmp_path / "tok"),
-                          str(tmp_path / "big.txt"), str(tmp_path / "cache")],
+    out = subprocess.run([sys.executable, "-c", BUILD_IN_A_CHILD, str(ROOT / "01_single_gpu" / "runtime"),
+                          str(tmp_path / "tok"), str(tmp_path / "big.txt"), str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -71,7 +71,8 @@ def test_two_plain_runs_at_once_both_initialise():
     try:
         for _ in range(2):
             pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            runs.append(subprocess.Popen([sys.executable, "-c", HOLD_A_WORLD_OF_ONE], env=env, text=True, **pipes))
+            runs.append(subprocess.Popen([sys.executable, "-c", HOLD_A_WORLD_OF_ONE],
+                                         env=env, text=True, **pipes))
             ready, _, _ = select.select([runs[-1].stdout], [], [], 120)
             line = runs[-1].stdout.readline() if ready else "(no answer within 120 s)"
             if line != "initialised a world of 1\n":
@@ -101,7 +102,8 @@ def test_average_gradients_two_ranks():
 def _mode_rank(mode, steps, grad_acc):
     """One --dp-mode on this rank (a spawn runs the three in turn, in the same 4 processes)."""
     train02 = import_module("02_data_parallel.train")
-    records, model, ddp, meter = train02.main(common.argv("--dp", 4, "--dp-mode", mode, "--bucket-mb", BUCKET_MB,
+    records, model, ddp, meter = train02.main(common.argv("--dp", 4, "--dp-mode", mode,
+                                                          "--bucket-mb", BUCKET_MB,
                                                          steps=steps, mbs=1, grad_acc=grad_acc))
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 state={k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()},  # numpy:
@@ -143,11 +145,14 @@ def test_every_mode_matches_single_device_and_the_wire_formula(every_mode, mode)
     results = layout_results(outcomes, mode)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got["losses"], ref_losses, rtol=0, atol=1e-5, msg=f"{mode} rank {rank}")
-        torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0, msg=f"{mode} rank {rank} norms")
+        torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0,
+                                   msg=f"{mode} rank {rank} norms")
         for name, ref in ref_state.items():
-            torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5, msg=f"{mode} {name}")
+            torch.testing.assert_close(torch.from_numpy(got["state"][name]), ref, rtol=1e-5, atol=1e-5,
+                                       msg=f"{mode} {name}")
         psi, loss_bytes = got["grad_bytes"], 4
-        assert got["wire"] == {("all_reduce", "dp"): steps * (2 * (n - 1) * psi // n + 2 * (n - 1) * loss_bytes // n)}
+        assert got["wire"] == {("all_reduce", "dp"): steps * (2 * (n - 1) * psi // n
+                                                              + 2 * (n - 1) * loss_bytes // n)}
         per_step = got["n_buckets"] if mode == "bucket" else got["n_grads"]
         assert got["calls"] == {("all_reduce", "dp"): steps * (per_step + 1)}
         if mode != "naive":
@@ -155,6 +160,7 @@ def test_every_mode_matches_single_device_and_the_wire_formula(every_mode, mode)
             first_launch = events.index(("launch", 0))
             last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
             assert first_launch < last_grad, f"{mode}: no communication before backward ended"
-            assert sum(e[0] == "grad" for e in events) == got["n_grads"]   # hooks only in the last micro-batch
+            # hooks only in the last micro-batch
+            assert sum(e[0] == "grad" for e in events) == got["n_grads"]
     if mode == "bucket":
         assert results[0]["n_buckets"] > 4

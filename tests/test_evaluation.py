@@ -4,10 +4,11 @@ The eval loss of a step is the mean loss of the same held-out global batches in 
 trainer's eval_step runs forward only on this rank's part (its rows, its tokens, its stage, its shards)
 and reduces it as its train_step reduces the training loss. One 2-rank spawn runs 02-07 (06 also V-wise,
 where the last block, which holds the loss, is on rank 0) with `--eval-every 1` for 2 steps; training
-and eval losses are compared with 01's (07's MoE with 07 on one device) in float64, where the layouts' different summation orders stay near 1e-15 relative: 1e-10 is
-far below a wrong batch or a missing shard (the loss moves in the 2nd digit). 08's layouts are checked in
-test_5d_combined.py (dp×tp×pp and tp+sp×cp×interleaved pp), which also shows that evaluation's
-communication is not counted in the per-step tables (the planner's bytes still match exactly).
+and eval losses are compared with 01's (07's MoE with 07 on one device) in float64, where the layouts'
+different summation orders stay near 1e-15 relative: 1e-10 is far below a wrong batch or a missing
+shard (the loss moves in the 2nd digit). 08's layouts are checked in test_5d_combined.py (dp×tp×pp and
+tp+sp×cp×interleaved pp), which also shows that evaluation's communication is not counted in the
+per-step tables (the planner's bytes still match exactly).
 """
 import json
 import os

@@ -74,7 +74,8 @@ def made_up(tmp_path, calc=CALC):
     (root / "tests" / "test_calc.py").write_text(TESTS)
     (root / "tests" / "exercise_stubs.py").write_text((ROOT / "tests" / "exercise_stubs.py").read_text())
     (root / "README.md").write_text("# demo\n")
-    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())   # its options: no unused plugins
+    # its options: no unused plugins
+    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
     return root
 
 
@@ -115,8 +116,9 @@ def test_student_copy_replaces_each_block_by_its_stub(tmp_path):
     (CALC.replace("exercise 01.2: quadruple", "exercise 01.1: quadruple"), "defined twice"),
     (CALC.replace("exercise 01.2", "exercise 02.2"), "belongs in a file under 02_"),
     (CALC.replace("def triple(x):", "def triple(x):\n    # exercise 01.1 more"), "a marker outside"),
-    (CALC.replace("\n\ndef triple(x):\n    return 3 * x", "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n"
-                  "# end exercise"), "not inside a function"),
+    (CALC.replace("\n\ndef triple(x):\n    return 3 * x",
+                  "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n# end exercise"),
+     "not inside a function"),
 ], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker", "module-level"])
 def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
     with pytest.raises(exercises.ExerciseError, match=rf"01_demo/calc.py:\d+: .*{re.escape(message)}"):
@@ -126,7 +128,8 @@ def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
 def test_check_proves_the_cycle_and_finds_a_broken_one(tmp_path):
     """Both sides on the made-up repository; then 01.1 named by a test that reaches 01.2's block first."""
     root = made_up(tmp_path)
-    assert [(o.exercise, o.status) for o in exercise_check.check(root=root)] == [("01.1", "ok"), ("01.2", "ok")]
+    assert ([(o.exercise, o.status) for o in exercise_check.check(root=root)]
+            == [("01.1", "ok"), ("01.2", "ok")])
     assert [o.status for o in exercise_check.check(passing=True, root=root)] == ["ok", "ok"]
     wrong = made_up(tmp_path / "wrong", CALC.replace("::test_double", "::test_double_through_quad"))
     outcome = exercise_check.check(root=wrong, only=["01.1"])[0]

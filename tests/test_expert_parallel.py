@@ -313,7 +313,8 @@ def _whole_run(flags, mbs, grad_acc):
     expert_parallel.expert_parallel_experts = original
     counts = torch.stack(routed)                                          # (calls, E)
     gathered = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, counts)                                     # every rank's routing, after the meter
+    # every rank's routing, after the meter
+    dist.all_gather(gathered, counts)
     dense, experts = moe.split_parameters(model)
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 wire=dict(meter.wire), calls=dict(meter.calls),
@@ -374,11 +375,13 @@ def check_run(got, ref, dp, ep, grad_acc, steps=3):
         ep_rank, block = rank % ep, range(rank - rank % ep, rank - rank % ep + ep)
         s_out = counts[rank].sum() - counts[rank, :, ep_rank].sum()
         s_in = sum(counts[r, :, ep_rank].sum() for r in block if r != rank)
-        assert run["wire"][("all_to_all", "ep")] == 2 * (s_out + s_in) * C * 4 + calls * 8 * (ep - 1) * E // ep
+        assert run["wire"][("all_to_all", "ep")] == (2 * (s_out + s_in) * C * 4
+                                                     + calls * 8 * (ep - 1) * E // ep)
         x = dp // ep                                                          # expert_dp replicas
         expected = steps * sum(2 * (x - 1) * b // x for b in run["expert_bytes"]) if x > 1 else None
         assert run["wire"].get(("all_reduce", "expert_dp")) == expected
-        assert run["wire"][("all_reduce", "dp")] == steps * (sum(2 * (dp - 1) * b // dp for b in run["dense_bytes"])
+        assert run["wire"][("all_reduce", "dp")] == steps * (sum(2 * (dp - 1) * b // dp
+                                                                 for b in run["dense_bytes"])
                                                              + 2 * (dp - 1) * 4 // dp)
 
 
@@ -417,7 +420,8 @@ def test_ep2_layer_twin_and_dp2_ep2_matches_single_device(two_ranks, request, la
     if TWO_RANKS[layout_id][0] == "twin":          # the twin's numbers are asserted on the ranks
         assert all(s_out > 0 and s_in > 0 for s_out, s_in in got)            # rows really travelled
     else:
-        _check_whole_run(TWO_RANKS[layout_id], got, request.getfixturevalue("reference"))   # a twin needs none
+        # a twin needs none
+        _check_whole_run(TWO_RANKS[layout_id], got, request.getfixturevalue("reference"))
 
 
 @pytest.mark.parametrize("layout_id", FOUR_RANKS)

@@ -62,8 +62,9 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
     """--on-nonfinite skip with step 2's logits poisoned with NaN (a forward hook, that step only): the step
     is logged as skipped, the parameters and every optimizer tensor (moments, step counts) after it are
     bitwise those before it, and the steps around it train normally."""
-    args, config, dataset = cli.setup(train01.build_parser(), common.argv("--on-nonfinite", "skip", "--json-log",
-                                                                          tmp_path / "log.jsonl", steps=4))
+    args, config, dataset = cli.setup(train01.build_parser(),
+                                      common.argv("--on-nonfinite", "skip",
+                                                  "--json-log", tmp_path / "log.jsonl", steps=4))
     model = train01.build.materialize(train01.build.build_model(args, config), args)
     optimizer = train01.mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)   # as train.run
     calls, seen = [], {}
@@ -93,7 +94,8 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
         assert torch.equal(before, after)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for i, r in enumerate(records) if i != 1)
     lines = [strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert lines[1]["loss"] is None and lines[1]["skipped"] is True and records[3]["loss"] < records[0]["loss"]
+    assert (lines[1]["loss"] is None and lines[1]["skipped"] is True
+            and records[3]["loss"] < records[0]["loss"])
 
 
 def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
@@ -101,10 +103,12 @@ def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
     01's loop): with NaN weights, stop ends in one line with status 1; skip skips every step (each logged
     with a null loss) and exits 0."""
     command = [sys.executable, str(ROOT / "02_data_parallel" / "train.py"),
-               *common.argv("--dp", 1, "--init-from", nan_weights, "--json-log", tmp_path / "log.jsonl", steps=2)]
+               *common.argv("--dp", 1, "--init-from", nan_weights,
+                            "--json-log", tmp_path / "log.jsonl", steps=2)]
     stop = subprocess.run(command, capture_output=True, text=True, timeout=300)
     lines = stop.stderr.strip().splitlines()
-    assert stop.returncode == 1 and len(lines) == 1 and "step 1: the loss is nan" in lines[0], stop.stderr[-3000:]
+    assert (stop.returncode == 1 and len(lines) == 1
+            and "step 1: the loss is nan" in lines[0]), stop.stderr[-3000:]
     skip = subprocess.run(command + ["--on-nonfinite", "skip"], capture_output=True, text=True, timeout=300)
     assert skip.returncode == 0, skip.stderr[-3000:]
     records = [strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
@@ -155,7 +159,8 @@ def workers(agent_pid):
     found = {}
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid:
+            if (entry.name.isdigit()
+                    and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid):
                 env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
                 found[int(env["RANK"])] = int(entry.name)
         except (OSError, KeyError, ValueError):
@@ -198,7 +203,8 @@ def test_a_stalled_rank_ends_every_rank(tmp_path):
         seconds = time.monotonic() - stopped
         output = "".join(run.lines)
         assert run.returncode != 0, output[-4000:]
-        assert "rank 0: no progress for" in output and "a peer stalled, died or deadlocked" in output, output[-4000:]
+        assert ("rank 0: no progress for" in output
+                and "a peer stalled, died or deadlocked" in output), output[-4000:]
         assert not any(alive(pid) for pid in pids.values()), output[-4000:]
         assert seconds < 80, seconds
     finally:

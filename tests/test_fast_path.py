@@ -121,7 +121,8 @@ def test_norms_and_rope_hand_the_compute_dtype_on_under_autocast(monkeypatch):
     old_loss, old_grads = _autocast_step(model, x, y)
     assert torch.equal(new_loss, old_loss)
     for name, grad in new_grads.items():
-        torch.testing.assert_close(grad, old_grads[name], rtol=0, atol=5e-2 * old_grads[name].abs().max().item())
+        torch.testing.assert_close(grad, old_grads[name], rtol=0,
+                                   atol=5e-2 * old_grads[name].abs().max().item())
 
 
 @pytest.mark.timeout(900)
@@ -137,12 +138,14 @@ def test_compile_matches_eager():
     eager_records, eager = train.main(common.argv(steps=3))
     assert graphs == 1
     assert compiled.state_dict().keys() == eager.state_dict().keys()
-    assert [r["loss"] for r in compiled_records] == pytest.approx([r["loss"] for r in eager_records], rel=1e-5)
+    assert ([r["loss"] for r in compiled_records]
+            == pytest.approx([r["loss"] for r in eager_records], rel=1e-5))
 
 
 def test_synthetic_windows_are_seeded_uniform_token_ids():
     """Window i is a pure function of (seed, i): read twice, the same; another seed, others. The ids cover
-    [0, vocab_size) and only it. The data-parallel ranks' rows of a global batch are the one-device batch's."""
+    [0, vocab_size) and only it. The data-parallel ranks' rows of a global batch are the one-device
+    batch's."""
     windows = data.SyntheticWindows(vocab_size=1000, seq_len=511, seed=5)
     assert len(windows) == data.SYNTHETIC_WINDOWS and windows[3]["input_ids"].shape == (512,)
     assert (windows[3]["input_ids"] == windows[3]["input_ids"]).all()
@@ -170,8 +173,8 @@ def test_synthetic_run_needs_no_datasets_package_and_writes_no_cache(tmp_path):
     before = sorted(data.DEFAULT_CACHE.rglob("*")) if data.DEFAULT_CACHE.exists() else []
     log = tmp_path / "log.jsonl"
     flags = common.argv("--dataset", "synthetic", "--vocab-size", 512, "--json-log", log, steps=2)
-    done = subprocess.run([sys.executable, "-c", SYNTHETIC_RUN, *flags], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", SYNTHETIC_RUN, *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     after = sorted(data.DEFAULT_CACHE.rglob("*")) if data.DEFAULT_CACHE.exists() else []
     assert after == before
@@ -204,14 +207,16 @@ def test_presets_are_the_published_models():
 @pytest.mark.parametrize("preset, lr", [("tiny", 3e-3), ("small", 3e-3), ("1b", 4e-4), ("llama3-1b", 3e-4)])
 def test_default_lr_is_the_presets(preset, lr):
     """Without --lr a run takes its preset's peak learning rate: the published ones for the 1B models
-    (TinyLlama 4e-4; Llama 3 3e-4), since 3e-3 made the 1B loss climb (6.2 to 15.3) before it fell. --lr wins."""
+    (TinyLlama 4e-4; Llama 3 3e-4), since 3e-3 made the 1B loss climb (6.2 to 15.3) before it fell.
+    --lr wins."""
     parser = cli.core_parser("t")
     assert cli.parse_args(parser, ["--preset", preset], files=False).lr == lr
     assert cli.parse_args(parser, ["--preset", preset, "--lr", "1e-5"], files=False).lr == 1e-5
 
 
 def test_synthetic_tokens_use_the_models_vocabulary():
-    """--dataset synthetic draws from the model's vocabulary: the preset's (llama3-1b: 128256), or --vocab-size."""
+    """--dataset synthetic draws from the model's vocabulary: the preset's (llama3-1b: 128256), or
+    --vocab-size."""
     small = ["--hidden-size", 32, "--intermediate-size", 64, "--num-layers", 1, "--num-heads", 4,
              "--num-kv-heads", 2]
     for extra, vocab in ((["--preset", "llama3-1b"], 128256), (["--vocab-size", 4096], 4096)):

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MACHINE_FIELDS = ("device", "driver", "cuda", "torch", "triton", "capability", "python", "date", "clocks")
 TRAIN_FIELDS = ("vocab_size", "seq_len", "mbs", "grad_acc", "precision_layout", "kernels", "attn", "compile",
-                "tokens_per_s", "mfu", "mfu_convention", "peak_memory_gib", "dataset", "losses", "timed_steps")
+                "tokens_per_s", "mfu", "mfu_convention", "peak_memory_gib", "dataset", "losses",
+                "timed_steps")
 
 
 @pytest.fixture(scope="module")

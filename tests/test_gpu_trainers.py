@@ -59,7 +59,8 @@ def test_trainer_on_cuda_matches_01(folder, reference, tmp_path):
 
 
 def test_expert_parallel_on_cuda_matches_cpu(tmp_path):
-    on_gpu, on_cpu = losses("07_expert_parallel", tmp_path, "cuda"), losses("07_expert_parallel", tmp_path, "cpu")
+    on_gpu, on_cpu = (losses("07_expert_parallel", tmp_path, "cuda"),
+                      losses("07_expert_parallel", tmp_path, "cpu"))
     torch.testing.assert_close(torch.tensor(on_gpu), torch.tensor(on_cpu), atol=0, rtol=1e-4)
 
 

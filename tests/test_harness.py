@@ -84,7 +84,8 @@ def test_ranks_can_return_many_tensors():
     results = run_ranks(many_tensors, world_size=2, timeout=60)
     for rank, out in enumerate(results):
         assert len(out) == 500
-        assert all(torch.equal(t, torch.full((256,), float(rank * 1000 + i))) for i, t in enumerate(out.values()))
+        assert all(torch.equal(t, torch.full((256,), float(rank * 1000 + i)))
+                   for i, t in enumerate(out.values()))
 
 
 def layout(kind):

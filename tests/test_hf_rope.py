@@ -1,4 +1,5 @@
-"""01_single_gpu/runtime/hf_io.py and the model's RoPE: Llama 3's rope_theta and the RoPE scalings load both ways.
+"""01_single_gpu/runtime/hf_io.py and the model's RoPE: Llama 3's rope_theta and the RoPE scalings load
+both ways.
 
 Compared: logits of transformers' `LlamaForCausalLM` and of ours holding the same weights, after a trip
 through a `config.json` + `model.safetensors` directory in each direction, for rope_theta 500000 alone,

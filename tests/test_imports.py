@@ -52,7 +52,8 @@ def folders_needed(py: Path, seen=None) -> set:
 
 
 def bootstrap_folders(py: Path) -> set:
-    """The folders an entry point's `sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), ...]` names."""
+    """The folders an entry point's `sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), ...]`
+    names."""
     for node in ast.walk(ast.parse(py.read_text())):
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript) \
                 and ast.unparse(node.targets[0]) == "sys.path[:0]":
@@ -71,8 +72,9 @@ def test_no_two_modules_share_a_name_or_shadow_an_installed_one():
 
 
 def test_no_module_is_imported_under_a_second_dotted_name():
-    """`import_module` of "02_data_parallel.comm" beside `import comm` would load comm.py twice, as two modules
-    with two copies of every class: only the train.py files, which share a name, are imported dotted."""
+    """`import_module` of "02_data_parallel.comm" beside `import comm` would load comm.py twice, as two
+    modules with two copies of every class: only the train.py files, which share a name, are imported
+    dotted."""
     dotted = re.compile(r"""import_module\(f?["']0\d_\w+\.(?!train["'])""")
     found = [f"{py.relative_to(ROOT)}:{n}" for py in SOURCES
              for n, line in enumerate(py.read_text().splitlines(), 1) if dotted.search(line)]
@@ -94,7 +96,8 @@ def test_each_entry_point_puts_the_folders_it_builds_on_on_the_path(entry):
 def test_an_editor_follows_every_plain_import_of_the_trainers():
     """jedi (the engine of several editors' go-to-definition) reads the bootstrap's `sys.path[:0]` and must
     resolve each `module.name` a train.py uses to that module's file in the repository."""
-    jedi = pytest.importorskip("jedi", reason="jedi is pinned in requirements.txt: pip install -r requirements.txt")
+    jedi = pytest.importorskip("jedi",
+                               reason="jedi is pinned in requirements.txt: pip install -r requirements.txt")
     project = jedi.Project(ROOT)
     unresolved, resolved = [], 0
     for trainer in sorted(ROOT.glob("0[1-8]_*/train.py")):

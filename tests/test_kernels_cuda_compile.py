@@ -1,4 +1,5 @@
-"""kernels/cuda/: the CUDA teaching kernels compile for sm_80 and sm_90, and the GPU-only runner refuses on CPU.
+"""kernels/cuda/: the CUDA teaching kernels compile for sm_80 and sm_90, and the GPU-only runner refuses
+on CPU.
 
 No GPU is needed. `nvcc -c` compiles each pure-CUDA .cu file for Ampere and Hopper with warnings as
 errors (kernels/cuda/check_compile.sh), so a syntax or type error in a kernel fails here rather

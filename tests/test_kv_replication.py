@@ -29,8 +29,10 @@ def _runs(checkpoint_dir):
     import pipeline
     records = stages[0]
     results.append(([r["loss"] for r in records], [r["grad_norm"] for r in records],
-                    {pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages[1].state_dict().items()}))
-    import_module("04_tensor_parallel.train").main(common.argv("--tp", "4", "--checkpoint-dir", checkpoint_dir,
+                    {pipeline.single_device_name(k): v.detach().numpy().copy()
+                     for k, v in stages[1].state_dict().items()}))
+    import_module("04_tensor_parallel.train").main(common.argv("--tp", "4",
+                                                               "--checkpoint-dir", checkpoint_dir,
                                                                "--lr-decay-steps", 4, steps=2))
     return results
 

@@ -43,10 +43,12 @@ def _run(flag_set):
         common.argv(*extra, steps=STEPS, mbs=MBS, grad_acc=grad_acc, dtype=dtype))
     return dict(
         losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records], pp_rank=pipe.rank,
-        peak_held=pipe.peak_held, events=events, sends=len(pipe.p2p.sent), isend_bytes=meter.total_wire("isend"),
+        peak_held=pipe.peak_held, events=events, sends=len(pipe.p2p.sent),
+        isend_bytes=meter.total_wire("isend"),
         # numpy, not tensors: a tensor crosses the result queue by shared memory, which a finished
         # rank may have released before the parent reads it
-        state={pipeline.single_device_name(k): v.detach().numpy().copy() for k, v in stages.state_dict().items()})
+        state={pipeline.single_device_name(k): v.detach().numpy().copy()
+               for k, v in stages.state_dict().items()})
 
 
 def _check(flag_set, runs):
@@ -67,8 +69,8 @@ def _check(flag_set, runs):
         assert run["losses"] == pytest.approx(ref_losses, rel=tolerance["loss"]), what
         assert run["norms"] == pytest.approx(ref_norms, rel=tolerance["loss"]), what
         for name, value in run["state"].items():
-            torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"], rtol=0,
-                                       msg=f"{what}: {name}")
+            torch.testing.assert_close(torch.from_numpy(value), ref_state[name], atol=tolerance["param"],
+                                       rtol=0, msg=f"{what}: {name}")
             state[name] = value
         # --- memory: micro-batches whose activations a stage held at its peak ---
         assert run["peak_held"] == schedules.peak_held(schedule, p, run["pp_rank"], m, V), what
@@ -193,7 +195,8 @@ def test_layer_partition_and_stage_modules():
 
 def test_schedule_formulas():
     """Theory bubbles and peaks, and the replay of ideal pass orders reproduces them."""
-    assert timeline.theory_bubble("afab", 4, 8) == timeline.theory_bubble("1f1b", 4, 8) == 3 / 8   # erratum E16
+    # erratum E16
+    assert timeline.theory_bubble("afab", 4, 8) == timeline.theory_bubble("1f1b", 4, 8) == 3 / 8
     assert timeline.theory_bubble("interleaved", 4, 8, chunks=2) == 3 / 16
     assert timeline.theory_bubble("zb-h1", 4, 8) == 3 / 24
     assert [schedules.peak_held("1f1b", 4, r, 8) for r in range(4)] == [4, 3, 2, 1]

@@ -70,7 +70,8 @@ def test_pruned_rules_are_counted_with_their_numbers():
     num_layers=8), one line per distinct case: not a template with every number replaced by N."""
     *_, pruned = run_search(["--preset", "tiny", "--num-layers", "6", *SMALL[3:]])
     divides = [rule for rule in pruned if rule.startswith("pp·pp-chunks")]
-    assert divides and all(re.fullmatch(r"pp·pp-chunks = (\d+)·(\d+) = \d+ does not divide num_layers=6", rule)
+    assert divides and all(re.fullmatch(r"pp·pp-chunks = (\d+)·(\d+) = \d+ "
+                                        r"does not divide num_layers=6", rule)
                            for rule in divides), divides
     assert not any(re.search(r"\bN\b", rule) for rule in pruned), list(pruned)
 
@@ -205,7 +206,8 @@ def test_v_schedules_are_searched_with_two_chunks_and_their_formulas():
     the other schedules: every such plan passes the trainers' rules (in test_every_plan_fits...), DualPipeV
     only with m ≥ 2·pp micro-batches; its bubble is 06's (p−1)/(6m) for ZB-V once m ≥ 2p − 1 ((p−1)/(3m)
     DualPipeV), its memory the fullest stage's with v_schedules.peak_held micro-batch·chunks of one
-    chunk's L/(2p) layers (ZB-V min(2p, 2m, m + 1 + r), DualPipeV 2p + 1), and its step the docstring's sum."""
+    chunk's L/(2p) layers (ZB-V min(2p, 2m, m + 1 + r), DualPipeV 2p + 1), and its step the docstring's
+    sum."""
     import v_schedules
     args, config, cluster, plans, pruned = run_search(SMALL)
     v_plans = [plan for plan in plans if plan.layout.schedule in ("zb-v", "dualpipev")]
@@ -224,13 +226,16 @@ def test_v_schedules_are_searched_with_two_chunks_and_their_formulas():
         for stage in (0, p - 1):
             held = v_schedules.peak_held(lay.schedule, p, stage, m)
             assert held == (min(2 * p, 2 * m, m + 1 + stage) if lay.schedule == "zb-v" else 2 * p + 1)
-            chunk = SimpleNamespace(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                                    num_hidden_layers=chunk_layers)          # one micro-batch through one chunk
+            # one micro-batch through one chunk
+            chunk = SimpleNamespace(hidden_size=config.hidden_size,
+                                    num_attention_heads=config.num_attention_heads,
+                                    num_hidden_layers=chunk_layers)
             one = memory.activation_bytes_estimate(chunk, plan.mbs, args.seq_len, 2, lay.recompute, tp=lay.tp,
                                                    sp=lay.sp, cp=lay.cp)     # 2-byte activations (mixed)
             assert planner.stage_memory(config, lay, args.seq_len, plan.mbs, m, stage)["activations"] == \
                 held * one, (lay, stage)
         per_micro_batch = sum(plan.times[k] for k in ("compute", "tp", "cp", "pp", "ep"))
-        assert plan.times["step"] == pytest.approx(per_micro_batch * (1 + bubble) + plan.times["dp"], rel=1e-12)
+        assert plan.times["step"] == pytest.approx(per_micro_batch * (1 + bubble) + plan.times["dp"],
+                                                   rel=1e-12)
     narrow = run_search(SMALL + ["--search-schedules", "1f1b,interleaved,zb-h1"])[3]
     assert not [plan for plan in narrow if plan.layout.chunks == 2 and plan.layout.schedule != "interleaved"]

@@ -145,9 +145,9 @@ def test_megatron_table1_layouts_chosen_by_the_search(row):
 def test_gpt3_175b_layout_and_days():
     """GPT-3 175B on 1024 A100s with Table 2's batch of 1536: the search with the paper's tools picks
     t = 8, p = 8 (Table 2's PTD-P rows use t·p = 96 on 384-1536 GPUs, which does not divide 1024), and
-    §5.1's 8·T·P/(n·X) at the paper's X = 140 gives its 34 days. The planner's own step time (MFU 45% on the compute, then exposed TP and DP traffic and
-    the bubble) reaches X = 126 TFLOP/s: 37.5 days by the same formula, 10% above the paper's X, which
-    the assumed MFU sets (printed by the search, --mfu)."""
+    §5.1's 8·T·P/(n·X) at the paper's X = 140 gives its 34 days. The planner's own step time (MFU 45% on
+    the compute, then exposed TP and DP traffic and the bubble) reaches X = 126 TFLOP/s: 37.5 days by the
+    same formula, 10% above the paper's X, which the assumed MFU sets (printed by the search, --mfu)."""
     config = gpt(96, 12288, 96)
     plans = megatron_search(1024, 1536, config)
     best = plans[0]

@@ -115,8 +115,9 @@ def test_readmes_are_a_lesson_then_a_reference():
             continue
         lesson = lines.index("## Reference")
         if lesson > LESSON_LINES:
-            problems.append(f"{name}: the lesson (the lines before `## Reference`) is {lesson} lines, more than "
-                            f"{LESSON_LINES}; move worked outputs, measured tables or detail below `## Reference`")
+            problems.append(f"{name}: the lesson (the lines before `## Reference`) is {lesson} lines, "
+                            f"more than {LESSON_LINES}; move worked outputs, measured tables or detail "
+                            f"below `## Reference`")
     top = len((ROOT / "README.md").read_text().splitlines())
     if top > LESSON_LINES:
         problems.append(f"README.md: {top} lines, more than {LESSON_LINES}; move detail into the folders' "

@@ -46,7 +46,8 @@ def test_hf_parity_and_round_trip(tmp_path, kv_heads, tied):
     """
     import transformers                  # in requirements.txt: a missing package must fail, not skip
     torch.manual_seed(0)
-    ours = modeling.LlamaForCausalLM(tiny_config(num_key_value_heads=kv_heads, tie_word_embeddings=tied)).double()
+    ours = modeling.LlamaForCausalLM(tiny_config(num_key_value_heads=kv_heads,
+                                                 tie_word_embeddings=tied)).double()
     with torch.no_grad():                # gains ≠ 1, so a norm weight ignored or misplaced shows
         for name, p in ours.named_parameters():
             if name.endswith("norm.weight"):
@@ -204,7 +205,8 @@ def test_resume_keeps_the_learning_rate_schedule(tmp_path):
     lrs = [json.loads(line)["lr"] for line in log.read_text().splitlines()]
     assert lrs == pytest.approx([3e-3 * 0.1] * 3)
     # A schedule meant to be longer says so from the start; resuming it continues the same curve.
-    whole, _ = common.single_device_run("--json-log", tmp_path / "whole.jsonl", "--lr-decay-steps", 6, steps=6)
+    whole, _ = common.single_device_run("--json-log", tmp_path / "whole.jsonl",
+                                        "--lr-decay-steps", 6, steps=6)
     common.single_device_run("--checkpoint-dir", tmp_path / "c2", "--lr-decay-steps", 6, steps=3)
     resumed, _ = common.single_device_run("--checkpoint-dir", tmp_path / "c2", "--resume", steps=6)
     assert resumed == whole[3:]
@@ -268,10 +270,12 @@ def test_json_log_and_memory_report(tmp_path):
     opt = optim.make_optimizer(model.parameters(), type("A", (), {"lr": 1e-3, "weight_decay": 0.0})())
     n = sum(p.numel() for p in model.parameters())
     report = memory.memory_report(model.parameters(), opt, activations=0)
-    assert (report.parameters, report.gradients, report.optimizer) == (4 * n, 4 * n, 8 * n)  # fp32: 16 bytes/param
+    # fp32: 16 bytes/param
+    assert (report.parameters, report.gradients, report.optimizer) == (4 * n, 4 * n, 8 * n)
     model(torch.randint(0, 96, (1, 8)), labels=torch.randint(0, 96, (1, 8))).backward()
     opt.step()
-    assert memory.memory_report(model.parameters(), opt, 0).optimizer == 8 * n   # measured: exp_avg + exp_avg_sq
+    # measured: exp_avg + exp_avg_sq
+    assert memory.memory_report(model.parameters(), opt, 0).optimizer == 8 * n
 
 
 def test_hfu_counts_the_recomputed_forward_and_profile_writes_a_trace(tmp_path):
@@ -297,7 +301,8 @@ def test_hfu_counts_the_recomputed_forward_and_profile_writes_a_trace(tmp_path):
     for mode, steps in (("full", 3), ("selective", 1)):
         log = tmp_path / f"{mode}.jsonl"
         profile = ("--profile", tmp_path / "trace") if mode == "full" else ()
-        common.single_device_run("--recompute", mode, "--peak-tflops", 1, "--json-log", log, *profile, steps=steps)
+        common.single_device_run("--recompute", mode, "--peak-tflops", 1,
+                                 "--json-log", log, *profile, steps=steps)
         for record in map(json.loads, log.read_text().splitlines()):
             assert record["hfu"] / record["mfu"] == pytest.approx(expected[mode], rel=1e-12), mode
     (trace,) = (tmp_path / "trace").glob("rank0.*.pt.trace.json")
@@ -340,7 +345,8 @@ def test_measured_activations_follow_the_step():
         script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
         out = subprocess.run([sys.executable, str(script), *common.argv("--recompute", mode, steps=1)],
                              capture_output=True, text=True, check=True).stdout
-        line = next(l for l in out.splitlines() if l.startswith("activations saved for backward in step 1"))
+        line = next(stdout_line for stdout_line in out.splitlines()
+                    if stdout_line.startswith("activations saved for backward in step 1"))
         printed[mode] = float(line.split("peak ")[1].split(" MiB")[0])
         assert "activations (estimate)" in out
     assert 0 < printed["selective"] < printed["none"]
@@ -348,15 +354,18 @@ def test_measured_activations_follow_the_step():
 
 def test_cli_help_documents_the_contract():
     script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
-    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, str(script), "--help"],
+                         capture_output=True, text=True, check=True).stdout
     for flag in ("--hidden-size", "--intermediate-size", "--num-layers", "--num-heads", "--num-kv-heads",
                  "--seq-len", "--mbs", "--grad-acc", "--steps", "--lr", "--seed", "--dtype", "--device",
-                 "--recompute", "--json-log", "--checkpoint-dir", "--checkpoint-every", "--resume", "--init-from"):
+                 "--recompute", "--json-log", "--checkpoint-dir", "--checkpoint-every", "--resume",
+                 "--init-from"):
         assert flag in out, flag
 
 
 def test_every_flag_has_help():
-    """08's parser holds every trainer's flags (01's core, 02-07's degrees and techniques): none without help."""
+    """08's parser holds every trainer's flags (01's core, 02-07's degrees and techniques): none without
+    help."""
     parser = import_module("layout_5d").build_parser("08")
     bare = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert bare == []
@@ -388,11 +397,13 @@ def test_bfloat16_autocast_trains_with_fp32_master_weights():
 def test_local_text_and_jsonl_sources(tmp_path):
     """The user paths work offline: a .txt file and a .jsonl file with a named text column."""
     (tmp_path / "a.txt").write_text("hello world " * 40)
-    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": f"document {i} " * 20}) for i in range(5)))
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": f"document {i} " * 20})
+                                                for i in range(5)))
     tok = data.ByteTokenizer()
     txt = data.build_dataset(str(tmp_path / "a.txt"), tok, 15, cache_dir=tmp_path / "cache")
     assert len(txt) == (480 + 1) // 16 and tok.decode(txt[0]["input_ids"]) == "hello world hell"
-    jsonl = data.build_dataset(str(tmp_path / "b.jsonl"), tok, 15, cache_dir=tmp_path / "cache", text_column="body")
+    jsonl = data.build_dataset(str(tmp_path / "b.jsonl"), tok, 15, cache_dir=tmp_path / "cache",
+                               text_column="body")
     assert tok.decode(jsonl[0]["input_ids"]).startswith("document 0")
     with pytest.raises(ValueError, match="pass --text-column"):
         data.build_dataset(str(tmp_path / "b.jsonl"), tok, 7, cache_dir=tmp_path / "cache")
@@ -408,16 +419,19 @@ def test_parquet_source_and_local_hf_tokenizer(tmp_path):
     words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(30)]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
     text = " ".join(f"w{i % 30}" for i in range(400))
     pandas.DataFrame({"text": [text, text]}).to_parquet(tmp_path / "docs.parquet")
     tok = data.load_tokenizer(str(tmp_path / "tok"))
     windows = data.build_dataset(str(tmp_path / "docs.parquet"), tok, 7, cache_dir=tmp_path / "cache")
     assert tok.vocab_size == 32 and tok.eos_token_id == 0
-    assert list(windows[0]["input_ids"]) == [2, 3, 4, 5, 6, 7, 8, 9] and tok.decode(windows[0]["input_ids"][:2]) == "w0 w1"
+    assert (list(windows[0]["input_ids"]) == [2, 3, 4, 5, 6, 7, 8, 9]
+            and tok.decode(windows[0]["input_ids"][:2]) == "w0 w1")
     records, model = train.main(common.argv(steps=2, mbs=2) + [
         "--dataset", str(tmp_path / "docs.parquet"), "--tokenizer", str(tmp_path / "tok")])
     losses = [r["loss"] for r in records]
     assert model.config.vocab_size == 64 and len(records) == 2          # 32 rounded up to a multiple of 64
-    assert losses[0] == pytest.approx(math.log(64), abs=0.1)            # untrained: uniform over the 64 logits
+    # untrained: uniform over the 64 logits
+    assert losses[0] == pytest.approx(math.log(64), abs=0.1)
     assert losses[1] < losses[0]

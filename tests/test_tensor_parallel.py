@@ -161,13 +161,14 @@ def check_model_pieces(grid):
         params = [p for _, p in sorted(mod.named_parameters())]
         dense_params = [p for _, p in sorted(dense_mod.named_parameters())]
         first = lambda out: out[0] if isinstance(out, tuple) else out   # noqa: E731  (a layer: (x, aux 0.0))
-        _twin_grads(first(mod(x, *args)), first(dense_mod(dense_x, *args)), [(x, dense_x)], params, dense_params,
-                    rank, size)
+        _twin_grads(first(mod(x, *args)), first(dense_mod(dense_x, *args)), [(x, dense_x)],
+                    params, dense_params, rank, size)
     labels = torch.randint(0, V, (B, T))
     labels[0, :3] = -100                                  # ignored positions are skipped by both
     hidden = _leaf(torch.randn(B, T, C))
     dense_hidden = _leaf(hidden)
-    _twin_grads(model.loss_fn(hidden, model.lm_head, labels), dense_model.loss_fn(dense_hidden, dense_model.lm_head, labels),
+    _twin_grads(model.loss_fn(hidden, model.lm_head, labels),
+                dense_model.loss_fn(dense_hidden, dense_model.lm_head, labels),
                 [(hidden, dense_hidden)], [model.lm_head.weight], [dense_model.lm_head.weight], rank, size)
 
     # Gradient clipping counts each shard once and each replicated norm weight once.
@@ -301,7 +302,8 @@ def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tp2_runs, defa
     assert_matches_reference(layout_results(outcomes, layout_id), ref, tp=2)
 
 
-def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_tp(tp2_runs, default_reference):
+def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_tp(tp2_runs,
+                                                                                  default_reference):
     """ZeRO-R's P_a at tp 2 (--recompute full --partition-activations) == 01 (tolerances above), and equal
     to tp 2's plain full recompute exactly: the same forward is rerun on the same, re-gathered input.
 

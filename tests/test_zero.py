@@ -113,11 +113,14 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas(dp4_stages, d
         assert psi > got["unpadded_bytes"] and psi % (4 * n) == 0, what     # padding really happened
         ring = (n - 1) * psi // n
         times = {1: 2, 2: grad_acc + 1, 3: 3 * grad_acc}[stage]
-        assert got["wire"][("reduce_scatter", "dp")] + got["wire"][("all_gather", "dp")] == steps * times * ring
+        assert (got["wire"][("reduce_scatter", "dp")] + got["wire"][("all_gather", "dp")]
+                == steps * times * ring)
         assert got["wire"][("all_reduce", "dp")] == steps * 2 * scalar_wire, what
         assert got["calls"][("all_reduce", "dp")] == steps * 2, what
         assert got["held"] == got["expected_held"] == {
-            1: (psi, psi, 2 * psi // n), 2: (psi, psi // n, 2 * psi // n), 3: (psi // n, psi // n, 2 * psi // n)}[stage]
+            1: (psi, psi, 2 * psi // n),
+            2: (psi, psi // n, 2 * psi // n),
+            3: (psi // n, psi // n, 2 * psi // n)}[stage]
         if stage > 1:   # the last step's events; its first micro-batch runs until the second's first gradient
             events, units = got["events"], got["units"]
             scatters = [u for kind, u in events if kind == "reduce_scatter"]
@@ -128,8 +131,10 @@ def test_zero_stages_dp4_grad_acc_match_single_device_and_formulas(dp4_stages, d
     if stage == 3:
         events = results[0]["events"]
         units = results[0]["units"]
-        assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc   # forward + backward
-        forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]   # first micro-batch's forward
+        # forward + backward
+        assert sum(kind == "gather_issued" for kind, _ in events) == 2 * units * grad_acc
+        # first micro-batch's forward
+        forward = events[:next(i for i, e in enumerate(events) if e[0] == "backward")]
         for k in range(units - 1):
             assert forward.index(("gather_issued", k + 1)) < forward.index(("forward", k)), "no prefetch"
 
@@ -151,7 +156,8 @@ def dp2_runs(tmp_path_factory):
                "offload-param-resume": ("param", ("--checkpoint-dir", checkpoints, "--resume")),
                "offload-param-skip": ("param", ("--on-nonfinite", "skip")),
                "offload-zero3-save": ("offload", (3, "--checkpoint-dir", checkpoints + "-optimizer")),
-               "offload-zero3-resume": ("offload", (3, "--checkpoint-dir", checkpoints + "-optimizer", "--resume"))}
+               "offload-zero3-resume": ("offload", (3, "--checkpoint-dir", checkpoints + "-optimizer",
+                                                    "--resume"))}
     return run_layouts(_dp2_layout, layouts, 2), single_device(DP2_STEPS, 2, 1, extra=("--recompute", "full"))
 
 
@@ -189,21 +195,26 @@ def _offload_stage(stage, steps, grad_acc, extra=()):
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
 
     def storages(tensors):                           # the distinct buffers behind tensors (freed ones: none)
-        return {t.untyped_storage().data_ptr() for t in tensors if t is not None and t.untyped_storage().nbytes()}
+        return {t.untyped_storage().data_ptr() for t in tensors
+                if t is not None and t.untyped_storage().nbytes()}
     device = storages([*model.parameters(), *(p.grad for p in model.parameters()), *zero.shards,
-                       *(t for u in zero.units for t in (u.full, u.shard, u.grad, u.grad_full, u.shard_grad))])
-    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+                       *(t for u in zero.units
+                         for t in (u.full, u.shard, u.grad, u.grad_full, u.shard_grad))])
+    states = [v for state in optimizer.state.values() for v in state.values()
+              if torch.is_tensor(v) and v.dim()]
     return dict(losses=[r["loss"] for r in records], norms=[r["grad_norm"] for r in records],
                 state={k: v.numpy().copy() for k, v in zero.full_state_dict(model).items()},
                 held=zero.model_state_bytes(model, optimizer), host=offload.host_bytes(optimizer),
                 expected=layout_mod.expected_offload_bytes("optimizer", stage, world_size(),
                                                            zero.padded_bytes),
                 steps_masters=len(stepped) == len(offload.master) and
-                              {id(p) for p in stepped} == {id(p) for p in optimizer.state} == {id(m) for m in offload.master},
+                              {id(p) for p in stepped} == {id(p) for p in optimizer.state}
+                              == {id(m) for m in offload.master},
                 disjoint=not device & storages([*offload.master, *offload.grads, *states]),
                 adam_steps={float(state["step"]) for state in optimizer.state.values()},
                 copied_back=all(torch.equal(m, s) for m, s in zip(offload.master, offload.shards)),
-                on_host=all(t.device.type == "cpu" and t.is_pinned() == zero.shards[0].is_cuda    # pinned on a GPU
+                # pinned on a GPU
+                on_host=all(t.device.type == "cpu" and t.is_pinned() == zero.shards[0].is_cuda
                             for t in [*offload.master, *offload.grads, *states]))
 
 
@@ -215,8 +226,9 @@ def test_offload_optimizer_matches_single_device_and_leaves_no_state_on_the_devi
     Where things live, per rank: the optimizer steps exactly offload.master, and every tensor it holds
     (masters, host gradients, exp_avg, exp_avg_sq) is a buffer of its own, none shared with the model's
     parameters, gradients or ZeRO's flat buffers, and all are on the CPU (pinned when the shards are on a
-    GPU; here both are the CPU, so separate buffers are what tells them apart). Bytes, exact, against offload.expected_bytes: device
-    parameters/gradients as ZeRO-s with 0 optimizer states; host master Ψ/N, gradients Ψ/N, states 2Ψ/N.
+    GPU; here both are the CPU, so separate buffers are what tells them apart). Bytes, exact, against
+    offload.expected_bytes: device parameters/gradients as ZeRO-s with 0 optimizer states; host master Ψ/N,
+    gradients Ψ/N, states 2Ψ/N.
     After the last step the device shards equal the masters (copied back), AdamW counted 2 steps.
     """
     outcomes, reference = dp2_runs

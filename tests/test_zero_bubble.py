@@ -48,7 +48,8 @@ GRADIENTS = dict(rtol=1e-12, atol=1e-15)
 
 
 def _pipeline(args, grid, stages):
-    shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size, args.cp, args.tp, args.sp)
+    shape = pipeline.boundary_shape(args.mbs, args.seq_len, stages[0].config.hidden_size,
+                                    args.cp, args.tp, args.sp)
     groups = point_to_point.direction_groups(grid, args.pp_chunks)
     p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
                              shape, build.param_dtype(args), build.device_of(args))
@@ -160,7 +161,8 @@ def test_split_linear_under_bf16_autocast_matches_f_linear():
         x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         store = zero_bubble.WeightGradStore()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = torch.nn.functional.linear(x, w) if mode == "F.linear" else zero_bubble.split_linear(x, w, store)
+            y = (torch.nn.functional.linear(x, w) if mode == "F.linear"
+                 else zero_bubble.split_linear(x, w, store))
         key = (0, 0)
         with store.collect(key) if mode == "deferred" else contextlib.nullcontext():
             y.backward(dy.to(y.dtype))
@@ -212,7 +214,8 @@ def test_gradient_hooks_fire_once_per_real_contribution():
         fired.clear()
         store.run(micro)
         assert [name for name, _ in fired] == ["w"]                            # W: w's, with its dW in
-        torch.testing.assert_close(fired[0][1], (micro + 1) * dy.t() @ (x * g).detach())   # both micro-batches
+        # both micro-batches
+        torch.testing.assert_close(fired[0][1], (micro + 1) * dy.t() @ (x * g).detach())
         fired.clear()
 
 
@@ -253,7 +256,8 @@ def test_cuda_pass_clock_with_fake_events():
     FakeCudaEvent.synchronizations = 0
     schedules.train_step_1f1b(pipe, micro_batches)
     assert FakeCudaEvent.synchronizations == 2
-    t0 = pipe.events[0].start - 1.0                  # the reference event ran 1 s before the first pass's start
+    # the reference event ran 1 s before the first pass's start
+    t0 = pipe.events[0].start - 1.0
     assert [(e.op, e.micro, e.start - t0, e.end - t0) for e in pipe.events] == \
         [("F", 0, 1.0, 2.0), ("B", 0, 3.0, 4.0), ("F", 1, 5.0, 6.0), ("B", 1, 7.0, 8.0),
          ("F", 2, 9.0, 10.0), ("B", 2, 11.0, 12.0)]
