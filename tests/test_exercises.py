@@ -74,8 +74,10 @@ def made_up(tmp_path, calc=CALC):
     (root / "tests" / "test_calc.py").write_text(TESTS)
     (root / "tests" / "exercise_stubs.py").write_text((ROOT / "tests" / "exercise_stubs.py").read_text())
     (root / "README.md").write_text("# demo\n")
-    # its options: no unused plugins
-    (root / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    # its options (no unused plugins), with its own folder on the path, as ours are
+    options = re.sub(r"pythonpath = \[.*?\]", 'pythonpath = [".", "01_demo"]',
+                     (ROOT / "pyproject.toml").read_text(), flags=re.S)
+    (root / "pyproject.toml").write_text(options)
     return root
 
 
