@@ -123,8 +123,9 @@ def peak_memory(tmp_path, module, ranks, *flags):
     out = tmp_path / module
     out.mkdir()
     env.update(MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS="1", PEAK_MEMORY_DIR=str(out))
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-                                 if ranks > 1 else [])
+    # Ranks forked after the imports (tests/exit_launcher.py, torchrun's environment): torchrun would start
+    # an interpreter per rank and one for its agent, ~5 CPU-s each, before the baseline is even taken.
+    launch = [sys.executable] + (["tests/exit_launcher.py", "1", str(ranks)] if ranks > 1 else [])
     command = launch + ["tests/peak_memory.py", module, *map(str, BIG + list(flags)), "--dataset", str(text)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -4,8 +4,8 @@ Whole-step checks (real gloo ranks; 08's trainer cuts and parallelises the seede
 so without --tp these are 06's stages): one step's schedule on the same micro-batches, zb-h1 against
 1f1b, on the same rank and model, and every parameter's gradient compared:
     pp2 with --kernels torch, with --recompute full, and with --kernels triton (Triton's CPU
-    interpreter; the fused loss computes lm_head's gradient inside its forward, which the split B/W
-    passes must still deliver), in float64;
+    interpreter, at one 8-token window a micro-batch: its cost is per row block; the fused loss computes
+    lm_head's gradient inside its forward, which the split B/W passes must still deliver), in float64;
     tp2 + sp × pp2 (4 ranks), where the W passes, wrapped in 02's CommMeter, must issue no collective
     and no point-to-point message at all (and the B passes, metered alike, do: the meter is live).
 ZB-H1's W runs exactly 1F1B's dW matmuls (dYᵀ·X on the same tensors, accumulated in the same
@@ -117,7 +117,7 @@ def _pairs(*extra):
 
 
 PP2 = {"pp2": _pairs(), "pp2-recompute-full": _pairs("--recompute", "full"),
-       "pp2-triton": _pairs("--kernels", "triton")}
+       "pp2-triton": _pairs("--kernels", "triton", "--seq-len", 8, "--mbs", 1)}   # the interpreter: per row
 TP2_SP_PP2 = {"tp2sp-pp2": _pairs("--tp", 2, "--sp")}
 
 
