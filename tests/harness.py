@@ -178,8 +178,9 @@ def run_layouts(run_one, layouts: dict, world_size: int, args=(), timeout: float
             elif kind == "failed":
                 failed[layout_id].append((rank, value))
             elif kind == "stopped":
-                why = why or (f"layout {layout_id} failed and not every rank finished it within {settle:.0f}s "
-                              f"(blocked in a collective with the failed rank?), so the ranks stopped there")
+                why = why or (f"layout {layout_id} failed and not every rank finished it within "
+                              f"{settle:.0f}s (blocked in a collective with the failed rank?), so the ranks "
+                              f"stopped there")
             elif kind == "error":
                 why = why or f"rank {rank} failed outside any layout:\n{value}"
             if kind in ("end", "error"):
@@ -189,8 +190,8 @@ def run_layouts(run_one, layouts: dict, world_size: int, args=(), timeout: float
         if failed[layout_id]:
             (rank, tb), *others = failed[layout_id]
             also = f" (and on ranks {[r for r, _ in others]})" if others else ""
-            outcomes[layout_id] = RankError(f"layout {layout_id} failed on rank {rank} of {world_size}{also}:\n"
-                                            f"{tb}")
+            outcomes[layout_id] = RankError(f"layout {layout_id} failed on rank {rank} of "
+                                            f"{world_size}{also}:\n{tb}")
         elif len(done[layout_id]) == world_size:
             outcomes[layout_id] = [done[layout_id][r] for r in range(world_size)]
         else:

@@ -20,14 +20,16 @@ import pytest
 import common
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = [("05_sequence_context_parallel/train.py", 4, 10, ["--cp", 2, "--dp", 2, "--mbs", 2]),    # (script,
-        ("06_pipeline/train.py", 2, 14, ["--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,  # ranks,
-                                         "--grad-acc", 2])]                                             # repeats)
+# (script, ranks, repeats, flags)
+RUNS = [("05_sequence_context_parallel/train.py", 4, 10, ["--cp", 2, "--dp", 2, "--mbs", 2]),
+        ("06_pipeline/train.py", 2, 14, ["--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2,
+                                         "--grad-acc", 2])]
 
 
 @pytest.mark.timeout(900)
 def test_short_multi_rank_runs_exit_cleanly_every_time():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     failures = []
     for script, ranks, repeats, flags in RUNS:

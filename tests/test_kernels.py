@@ -50,7 +50,8 @@ from kernels import patch
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("kernels/ was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 pytest")
+    raise RuntimeError("kernels/ was imported before TRITON_INTERPRET=1 was set: "
+                       "run with TRITON_INTERPRET=1 pytest")
 DTYPES = [torch.float32, torch.bfloat16]
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,7 +82,8 @@ def check(kernel, reference, inputs, dtype, names, by_truth=False):
         err = (a.double() - t).abs().max().item()
         ref_err = (b.double() - t).abs().max().item()
         slack = 1e-5 if dtype == torch.float32 else 1e-3
-        assert err <= 2 * ref_err + slack * t.abs().max().item(), f"{name}: error {err:.3g} vs reference {ref_err:.3g}"
+        assert err <= 2 * ref_err + slack * t.abs().max().item(), (f"{name}: error {err:.3g} vs reference "
+                                                                   f"{ref_err:.3g}")
 
 
 def randn(*shape, seed=0, scale=1.0):
@@ -135,7 +137,8 @@ def test_rope_backward_is_rotation_by_minus_sin():
     x = randn(1, 2, 37, 16).to(DEVICE).requires_grad_()
     dy = randn(1, 2, 37, 16, seed=1).to(DEVICE)
     rot.rope(x, cos.to(DEVICE), sin.to(DEVICE)).backward(dy)
-    torch.testing.assert_close(x.grad, rot.rope_reference(dy, cos.to(DEVICE), -sin.to(DEVICE)), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad, rot.rope_reference(dy, cos.to(DEVICE), -sin.to(DEVICE)),
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_rope_of_q_and_k_in_one_launch(monkeypatch):
@@ -154,7 +157,8 @@ def test_rope_of_q_and_k_in_one_launch(monkeypatch):
     q, k = randn(2, 37, 4, 24).transpose(1, 2), randn(2, 37, 2, 24, seed=1).transpose(1, 2)
     both = lambda rotate: lambda q, k: torch.cat(rotate(q, k), dim=1)  # noqa: E731   (B, nh + nkv, T, hd)
     check(both(lambda q, k: rot.apply_rotary(q, k, cos.to(q), sin.to(q))),
-          both(lambda q, k: (rot.rope_reference(q, cos.to(q), sin.to(q)), rot.rope_reference(k, cos.to(k), sin.to(k)))),
+          both(lambda q, k: (rot.rope_reference(q, cos.to(q), sin.to(q)),
+                             rot.rope_reference(k, cos.to(k), sin.to(k)))),
           [q, k], torch.float32, ["out", "dq", "dk"])
     assert len(grids) == 2 and all(grid[0] == 2 * (4 + 2) for grid in grids)   # forward, backward
 
@@ -266,10 +270,12 @@ def test_flash_attention_padded_head_dim_unequal_blocks():
     """hd = 24 is padded to 32; BLOCK_M = 16 ≠ BLOCK_N = 32 exercises the causal loop bounds."""
     q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24, seed=1), randn(1, 2, 40, 24, seed=2)
     check(lambda q, k, v: fa.flash_attention(q, k, v, True, block_m=16, block_n=32),
-          lambda q, k, v: fa.attention_reference(q, k, v, True), [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
+          lambda q, k, v: fa.attention_reference(q, k, v, True),
+          [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
 
 
-@pytest.mark.parametrize("dtype,causal", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+@pytest.mark.parametrize("dtype,causal",
+                         [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
                          ids=["float32-causal", "bfloat16-causal", "float32-full"])
 def test_flash_attention_tutorial_tiling(dtype, causal):
     """The tutorial's tiling at a scale the interpreter affords: T = 100, hd 80 (padded to 128), GQA 4:2.
@@ -288,7 +294,8 @@ def test_flash_attention_default_tiles():
     if DEVICE == "cpu":
         assert len(fa._attn_fwd_tuned.configs) == 1
     q, k, v = randn(1, 4, 70, 80), randn(1, 2, 70, 80, seed=1), randn(1, 2, 70, 80, seed=2)
-    check(lambda q, k, v: fa.flash_attention(q, k, v, True), lambda q, k, v: fa.attention_reference(q, k, v, True),
+    check(lambda q, k, v: fa.flash_attention(q, k, v, True),
+          lambda q, k, v: fa.attention_reference(q, k, v, True),
           [q, k, v], torch.float32, ["o", "dq", "dk", "dv"])
 
 
@@ -340,7 +347,8 @@ on_gpu = pytest.mark.skipif(DEVICE == "cpu", reason="Llama-sized shapes: compile
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_flash_attention_model_shapes(dtype, head_dim):
     q, k, v = (randn(1, h, 1000, head_dim, seed=s) for s, h in enumerate((8, 2, 2)))   # (B, nh|nkv, T, hd)
-    check(lambda q, k, v: fa.flash_attention(q, k, v, True), lambda q, k, v: fa.attention_reference(q, k, v, True),
+    check(lambda q, k, v: fa.flash_attention(q, k, v, True),
+          lambda q, k, v: fa.attention_reference(q, k, v, True),
           [q, k, v], dtype, ["o", "dq", "dk", "dv"], by_truth=True)
 
 
@@ -355,7 +363,8 @@ def test_row_kernels_model_shapes(dtype):
     for head_dim in (80, 128):
         cos, sin = rope_tables(head_dim, T=1000)
         x = randn(2, 1000, 8, head_dim).transpose(1, 2)    # (B, nh, T, hd), strided like the model's q
-        check(lambda x: rot.rope(x, cos.to(x), sin.to(x)), lambda x: rot.rope_reference(x, cos.to(x), sin.to(x)),
+        check(lambda x: rot.rope(x, cos.to(x), sin.to(x)),
+              lambda x: rot.rope_reference(x, cos.to(x), sin.to(x)),
               [x], dtype, ["out", "dx"], by_truth=True)
 
 
@@ -448,8 +457,8 @@ def test_apply_kernels_rejects_unknown_choices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_bench_refuses_without_gpu():
-    result = subprocess.run([sys.executable, str(ROOT / "kernels" / "bench.py")], capture_output=True, text=True,
-                            timeout=100, cwd=ROOT)
+    result = subprocess.run([sys.executable, str(ROOT / "kernels" / "bench.py")],
+                            capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert result.returncode != 0
     assert "kernels/bench.py needs a CUDA GPU" in result.stderr
 
@@ -464,7 +473,8 @@ def test_train_with_triton_kernels_reproduces_torch_losses():
     from common import single_device_run
     data = ("--dataset", "synthetic", "--device", DEVICE, "--seq-len", 8)
     losses_torch, state_torch = single_device_run(*data, steps=3, mbs=1)
-    losses_triton, state_triton = single_device_run(*data, "--kernels", "triton", "--attn", "triton", steps=3, mbs=1)
+    losses_triton, state_triton = single_device_run(*data, "--kernels", "triton", "--attn", "triton",
+                                                    steps=3, mbs=1)
     assert len(losses_triton) == 3 and all(math.isfinite(loss) for loss in losses_triton)
     torch.testing.assert_close(torch.tensor(losses_triton), torch.tensor(losses_torch), atol=1e-4, rtol=0)
     assert state_triton.keys() == state_torch.keys()   # same parameter names: checkpoints interchange
@@ -481,7 +491,8 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     import argparse
     from kernels import bench
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
-    monkeypatch.setattr(bench, "DTYPE", torch.float32 if DEVICE == "cpu" else torch.bfloat16)  # SDPA's flash: bf16
+    # SDPA's flash backend takes bf16 only
+    monkeypatch.setattr(bench, "DTYPE", torch.float32 if DEVICE == "cpu" else torch.bfloat16)
     monkeypatch.setattr(bench, "ROW_SHAPES", [(20, 256, 48)])          # hd 128 RoPE needs C ≥ 128
     monkeypatch.setattr(bench, "ATTN_SHAPES", [(1, 2, 1, 20, 16)])
     monkeypatch.setattr(bench, "CE_SHAPES", [(12, 32, 96)])
@@ -499,7 +510,8 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     gpu = lambda run: {"gpu_ms": wall_clock_ms(run), "launches": 1}   # noqa: E731
     rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks, gpu)
     expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
-        | {("rope", i) for i in ("eager", "triton")} | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
+        | {("rope", i) for i in ("eager", "triton")} \
+        | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
         | {("linear+cross-entropy", i) for i in ("eager", "triton")}
     assert {(r["kernel"], r["impl"]) for r in rows} == expected
     assert len(rows) == 2 * len(expected)                                 # fwd and fwd+bwd each
@@ -510,8 +522,8 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
         assert r["gpu_ms"] > 0 and r["gpu_of_peak"] == pytest.approx(r["of_peak"] * r["ms"] / r["gpu_ms"])
         assert r["launches"] == 1
     assert [m["impl"] for m in memory] == ["eager", "triton"]             # CUDA memory stats: n/a on CPU
-    bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__, triton=triton.__version__,
-                             cuda=None, date="-"), peaks, rows, memory)
+    bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__,
+                             triton=triton.__version__, cuda=None, date="-"), peaks, rows, memory)
     text = (tmp_path / "cpu-interpreter-check.md").read_text()
     assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
     assert "| GPU ms | launches |" in text and all(line.count("|") == 10 for line in text.splitlines()

@@ -111,15 +111,16 @@ def test_upcycling_reads_the_dense_mlp(tmp_path):
             assert torch.equal(p, dense_layer.mlp.get_parameter(f"{name}.weight").expand_as(p)), name
 
 
-BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 12, "--num-heads", 12, "--num-kv-heads",
-       12, "--seq-len", 8, "--mbs", 1, "--steps", 1, "--warmup-steps", 1, "--no-progress"]
+BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 12, "--num-heads", 12,
+       "--num-kv-heads", 12, "--seq-len", 8, "--mbs", 1, "--steps", 1, "--warmup-steps", 1, "--no-progress"]
 
 
 def peak_memory(tmp_path, module, ranks, *flags):
     """Each rank's {"growth", "built", "parameters"} (bytes) for one step of the big model."""
     text = tmp_path / "fox.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     out = tmp_path / module
     out.mkdir()
     env.update(MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS="1", PEAK_MEMORY_DIR=str(out))
@@ -139,7 +140,8 @@ def test_sharded_ranks_hold_a_fraction_of_the_model(tmp_path):
     psi = 12 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768) + 2 * 320 * 768 + 768         # parameters
     bound = 6 * psi                                  # half of an fp32 replica (4Ψ) and its AdamW states (8Ψ)
     largest = 3072 * 768 * 4                         # bytes of the biggest full tensor (gate/up/down)
-    for what, runs in (("zero-3 dp 4", peak_memory(tmp_path, "03_zero.train", 4, "--dp", 4, "--zero-stage", 3)),
+    for what, runs in (("zero-3 dp 4", peak_memory(tmp_path, "03_zero.train", 4,
+                                                   "--dp", 4, "--zero-stage", 3)),
                        ("tp 4", peak_memory(tmp_path, "04_tensor_parallel.train", 4, "--tp", 4,
                                             "--dp-mode", "naive"))):
         for run in runs:

@@ -1,5 +1,5 @@
-"""Preemptible runs (01_single_gpu/runtime/preemption.py and `--resume auto`): a job that is stopped or killed, run
-again with the same command, ends as if nothing had happened.
+"""Preemptible runs (01_single_gpu/runtime/preemption.py and `--resume auto`): a job that is stopped or
+killed, run again with the same command, ends as if nothing had happened.
 
 Compared: a run sent SIGUSR1 in the middle of step 2 on one rank only, then the same command again, against
 the uninterrupted run: every logged loss, and every tensor of the final checkpoint (parameters and AdamW's
@@ -105,8 +105,8 @@ def test_a_signalled_run_exits_75_and_the_same_command_finishes_it(tmp_path, tra
     checkpoint equals the uninterrupted run's tensor for tensor."""
     phases, whole, preempted = ("whole", "stopped", "again"), tmp_path / "whole", tmp_path / "preempted"
     whole.mkdir(), preempted.mkdir()
-    outcomes = run_layouts(_phase, {p: p for p in phases}, world, args=(trainer, str(tmp_path), signalled_rank),
-                           timeout=180)
+    outcomes = run_layouts(_phase, {p: p for p in phases}, world,
+                           args=(trainer, str(tmp_path), signalled_rank), timeout=180)
     codes = {p: layout_results(outcomes, p) for p in phases}
     assert codes == {"whole": [0] * world, "stopped": [preemption.EXIT_PREEMPTED] * world,
                      "again": [0] * world}
