@@ -230,6 +230,17 @@ def newest_usable(directory, reader: bool = False) -> Resume:
                      f"(--overwrite)")
 
 
+def piece_reader(folder: Path):
+    """read(piece, quantity): one piece of a saved quantity from the checkpoint's files, each opened once."""
+    handles = {}
+
+    def read(piece, quantity):
+        if piece["file"] not in handles:
+            handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
+        return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
+    return read
+
+
 def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None = None) -> int:
     """Restore checkpoint `step` (default: the newest usable), saved in any layout, into this rank's model and
     optimizer (global_state.load: one global tensor at a time); returns its step. `layout` is this run's."""
@@ -244,13 +255,7 @@ def load_checkpoint(directory, model, optimizer, layout: dict, step: int | None 
     if different:
         shown = ", ".join(f"{k} {saved.get(k)} vs {mine.get(k)}" for k in different[:3])
         raise ValueError(f"{folder} holds another model ({shown}): resume with the model flags that saved it")
-    handles = {}
-
-    def read(piece, quantity):
-        if piece["file"] not in handles:
-            handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
-        return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
-    assembler = global_state.Assembler(manifest["pieces"], read)
+    assembler = global_state.Assembler(manifest["pieces"], piece_reader(folder))
     global_state.load(assembler, optimizer, model, manifest["optimizer_step"])
     scaler = getattr(optimizer, "scaler", None)
     # fp16's loss scale continues; saved without fp16 (or by an older version): --loss-scale-init

@@ -47,13 +47,7 @@ def read_checkpoint(checkpoint_dir, step=None):
     if any(".mlp.experts." in piece["name"] for piece in manifest["pieces"]):
         raise ValueError(f"{folder} holds a mixture-of-experts model: a Hugging Face Llama has no experts")
     config = modeling.LlamaConfig(**manifest["config"])
-    from safetensors import safe_open
-    handles = {}
-
-    def read(piece, quantity):
-        if piece["file"] not in handles:
-            handles[piece["file"]] = safe_open(folder / piece["file"], "pt")
-        return handles[piece["file"]].get_tensor(f"{quantity}/{piece['index']}")
+    read = checkpoint.piece_reader(folder)
     assembler = global_state.Assembler(manifest["pieces"], read)
     state = {}
     for name in sorted(assembler.names()):               # one full tensor at a time, in its saved dtype
