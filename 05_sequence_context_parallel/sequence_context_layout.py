@@ -21,6 +21,7 @@ import sequence_parallel
 import context_parallel
 import ulysses
 import allgather_kv
+
 CP_ATTENTION = ("ring", "allgather", "ulysses")
 
 

@@ -24,6 +24,7 @@ New compared with 02: the micro-batch loop of the step becomes one of these orde
 """
 
 import v_schedules
+
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")        # schedules whose B leaves dW to a W pass
 
 

@@ -39,6 +39,7 @@ import time
 import torch
 
 from kernels import bench_plot
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"           # the one place the device is named
 DTYPE = torch.bfloat16

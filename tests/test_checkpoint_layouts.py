@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import common
+import export_hf
 from harness import run_ranks
 
 SCHEDULE = ["--lr-decay-steps", 4]
@@ -119,7 +120,7 @@ def test_resume_in_another_layout_continues_the_run(tmp_path, reference, case):
 
 def export_and_compare(ckpt, out, model):
     import transformers
-    import_module("export_hf").main(["--checkpoint-dir", ckpt, "--out", str(out)])
+    export_hf.main(["--checkpoint-dir", ckpt, "--out", str(out)])
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

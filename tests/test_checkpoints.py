@@ -22,6 +22,7 @@ import common
 
 import checkpoint
 import model as modeling
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

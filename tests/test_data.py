@@ -21,6 +21,7 @@ import common
 
 import data
 import sources
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,7 @@ import common
 from harness import layout_results, run_layouts, run_ranks
 
 import process_grid
+
 MODES = ("naive", "overlap", "bucket")
 BUCKET_MB = 0.002   # ~2 KB: the TINY model's 38 gradients fall into many buckets
 

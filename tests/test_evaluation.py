@@ -23,6 +23,7 @@ from harness import layout_results, run_layouts
 
 import data
 import sampling
+
 EVAL = ["--eval-every", 1, "--eval-batches", 2]
 STEPS = 2
 PLOTS = tempfile.mkdtemp(prefix="test_evaluation_")      # ZeRO-3's --plot: every rank's bytes gathered

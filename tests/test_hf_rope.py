@@ -18,6 +18,7 @@ import torch
 
 import model as modeling
 import hf_io
+
 transformers = pytest.importorskip("transformers")
 
 SHAPES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,

@@ -22,6 +22,7 @@ import build
 import sampling
 import cli
 import memory
+import pipeline
 import mixed_precision
 import planner
 train = import_module("01_single_gpu.train")
@@ -378,14 +379,14 @@ def _trainer_run(run):
         records, model, *rest = module.main(argv)
     state = (rest[0].grad_sync.full_state_dict(model) if trainer == "08" else model.state_dict())
     if trainer in ("06", "08"):
-        state = {import_module("pipeline").single_device_name(k): v for k, v in state.items()}
+        state = {pipeline.single_device_name(k): v for k, v in state.items()}
     return dict(_numbers(records, {k: v.float().numpy() for k, v in state.items()}),
                 dtype=str(next(model.parameters()).dtype),
                 tp=(dist.get_rank(), 2) if "--tp" in flags else (0, 1),
                 states=rest[-1][dist.get_rank()]["states"] if trainer == "08" else None,   # 08's memory rows
                 gathered=rest[-1][dist.get_rank()]["gathered"] if trainer == "08" else 0,  # ZeRO-3's peak
                 pp_rank=rest[-1][dist.get_rank()]["coords"][1] if trainer == "08" else None,
-                shard_grads=import_module("memory").held_bytes(      # ZeRO-2/3's (U/N,) each
+                shard_grads=memory.held_bytes(      # ZeRO-2/3's (U/N,) each
                     u.shard_grad for z in getattr(rest[0].grad_sync, "zeros", []) for u in z.units)
                 if trainer == "08" else 0)
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import common
+import model as modeling
 from harness import layout_results, run_layouts
 
 import pipeline
@@ -31,6 +32,7 @@ import passes
 import schedules
 import timeline
 import v_schedules
+
 STEPS, MBS = 2, 2
 TOLERANCE = {"float32": dict(loss=1e-6, param=1e-5), "float64": dict(loss=1e-12, param=1e-8)}
 
@@ -172,9 +174,8 @@ def test_layer_partition_and_stage_modules():
     assert [list(b) for b in pipeline.layer_blocks(8, 4, 2, 1)] == [[1], [5]]
     assert [list(b) for b in pipeline.layer_blocks(16, 4, 2, 1)] == [[2, 3], [10, 11]]
     assert [list(b) for b in pipeline.layer_blocks(4, 2, 1, 1)] == [[2, 3]]
-    config = import_module("model").LlamaConfig(num_hidden_layers=8, hidden_size=32,
-                                                              intermediate_size=64, vocab_size=64)
-    full = import_module("model").LlamaForCausalLM(config)
+    config = modeling.LlamaConfig(num_hidden_layers=8, hidden_size=32, intermediate_size=64, vocab_size=64)
+    full = modeling.LlamaForCausalLM(config)
     names = []
     for rank in range(4):
         stages = pipeline.build_stages(full, rank, 4, chunks=2)

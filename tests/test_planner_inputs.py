@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import planner
+
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 
 # meta-llama/Llama-3.1-8B's config.json as published (the keys the planner or the loader could read).

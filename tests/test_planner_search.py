@@ -20,6 +20,7 @@ import planner
 import search
 import step_time
 import memory
+
 PLANNER = Path(__file__).resolve().parents[1] / "08_5d_combined" / "planner.py"
 SMALL = ["--search", "--preset", "small", "--vocab-size", "32000", "--seq-len", "2048", "--gpus", "16",
          "--gpu", "h100", "--global-batch-tokens", str(64 * 2048), "--gpu-mem", "8"]

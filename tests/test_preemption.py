@@ -29,6 +29,7 @@ from harness import layout_results, run_layouts
 import checkpoint
 import optim
 import preemption
+
 STEPS, STOP_IN = 4, 2          # the signal arrives in step 2 of 4: the stop saves step 2
 TRAINERS = {"02": ("02_data_parallel.train", ["--dp", 2]),
             "08": ("08_5d_combined.train", ["--dp", 2, "--pp", 2])}

@@ -18,6 +18,7 @@ import torch
 
 import common
 
+import checkpoint
 import model as modeling
 import rope
 import hf_io
@@ -241,7 +242,7 @@ def test_resume_into_another_model_refuses(tmp_path):
     common.single_device_run("--checkpoint-dir", ckpt, steps=1)
     model = modeling.LlamaForCausalLM(tiny_config())
     with pytest.raises(ValueError, match="holds another model .*hidden_size 32 vs 48"):
-        import_module("checkpoint").load_checkpoint(ckpt, model, None, {})
+        checkpoint.load_checkpoint(ckpt, model, None, {})
 
 
 def test_weight_decay_spares_one_dimensional_parameters():

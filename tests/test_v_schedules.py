@@ -26,6 +26,7 @@ import passes
 import schedules
 import timeline
 import v_schedules
+
 TORCH_SCHEDULES = {"zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 

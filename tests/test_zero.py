@@ -17,6 +17,7 @@ from harness import layout_results, run_layouts, run_ranks
 
 import zero as zero_mod
 import flat_unit
+import offload
 import zero_layout as layout_mod
 
 ODD = ["--hidden-size", "42", "--num-heads", "3", "--num-kv-heads", "1", "--intermediate-size", "63"]
@@ -357,7 +358,7 @@ def _zero_against_adamw_rank(offload_param=False):
     ids = torch.randint(0, config.vocab_size, (4, 17))
     mine = ids.chunk(dist.get_world_size())[dist.get_rank()]                      # (2, 17)
     if offload_param:
-        zero = import_module("offload").ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
+        zero = offload.ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
     else:
         zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1)

@@ -15,6 +15,7 @@ import torch
 import materialize as materialize_mod
 import model as modeling
 import mixed_precision
+
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -21,6 +21,7 @@ import torch
 
 import cli_checks as checks
 import watchdog
+
 SHAPE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
 # Each preset: its shape, then the flags it sets when they are not given. --lr: the published peak of a model
 # of that size (TinyLlama 4e-4; Llama 3's 3e-4), since 3e-3 makes a 1B model's loss climb before it falls.

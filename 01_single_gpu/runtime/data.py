@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import sources
+
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "data"
 FORMAT_VERSION = 2                 # bump when the code below would turn the same inputs into other windows
 PIECE_CHARS = 2**16                # a text is tokenized in line-aligned pieces of at most this many chars

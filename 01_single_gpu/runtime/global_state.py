@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 import materialize
+
 QUANTITIES = ("value", "exp_avg", "exp_avg_sq")           # a parameter and AdamW's two moments
 
 

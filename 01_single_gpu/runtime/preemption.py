@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import watchdog
+
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
