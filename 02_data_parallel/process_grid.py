@@ -136,8 +136,9 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
 
     The degrees are checked against WORLD_SIZE before any process group exists, so a bad layout
     fails at once with a message instead of hanging in a collective. Gloo on the CPU, NCCL on GPUs:
-    the one place where device and backend are chosen. A collective that waits `timeout_s` (--timeout-s)
-    for a peer fails instead of hanging, and a worker of torchrun ends with its agent (watchdog.py).
+    the one place where device and backend are chosen. A collective that waits a little over `timeout_s`
+    (--timeout-s; watchdog.group_timeout_s) for a peer fails instead of hanging, and a worker of torchrun
+    ends with its agent (watchdog.py).
     """
     grid_layout(int(os.environ.get("WORLD_SIZE", 1)), dp, pp, cp, tp, ep)
     if "TORCHELASTIC_RUN_ID" in os.environ:   # started by torchrun's agent: never train on as an orphan
@@ -145,7 +146,8 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        backend, timeout = "nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        timeout = timedelta(seconds=watchdog.group_timeout_s(timeout_s))   # the watchdog speaks first
         if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
             dist.init_process_group(backend, timeout=timeout)
         else:                        # plain `python train.py`: a world of one, on a port no other run holds

@@ -1,11 +1,12 @@
 """No rank waits forever, and none outlives its launcher (plumbing for runs of several ranks).
 
 A rank whose peer stops without dying (SIGSTOP, a deadlock, a hung file system) waits in its next
-collective. The process group's timeout (--timeout-s, given to `init_distributed`) ends a collective
-that waited that long, with an error; `Watchdog` covers the rest of the training loop: a thread that ends
-the process (exit status 1, one line naming the rank and its last step) when no step has finished for
---timeout-s seconds, wherever the rank is stuck. The stalled rank itself cannot act: torchrun's agent
-kills it once its peers have exited.
+collective. In the training loop `Watchdog` ends it: a thread that ends the process (exit status 1, one
+line naming the rank and its last step) when no step has finished for --timeout-s seconds, wherever the
+rank is stuck. Outside the loop (setup, the last save) the process group's timeout ends a collective
+that waited `group_timeout_s` with an error: a margin later, so in the loop the watchdog's line is
+always what the user reads, never a race with gloo's traceback. The stalled rank itself cannot act:
+torchrun's agent kills it once its peers have exited.
 
 A worker whose torchrun agent is killed would otherwise train on as an orphan: `exit_with_parent` asks
 the Linux kernel to end it with its parent (prctl PR_SET_PDEATHSIG), and the watchdog's thread also
@@ -22,6 +23,12 @@ import time
 # a few minutes: far longer than any step of the presets, far shorter than a lost night
 DEFAULT_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>
+
+
+def group_timeout_s(timeout_s: float) -> float:
+    """The process group's timeout for --timeout-s: 10% + 5 s more. A collective begins after the last
+    beat, and the watchdog checks once a second (poll_s), so it speaks up to ~1 s after --timeout-s."""
+    return timeout_s * 1.1 + 5.0
 
 
 def record_for_torchrun(line: str):
