@@ -99,6 +99,17 @@ class ProcessGrid:
         return names
 
 
+_MADE = []   # every group new_group created, in order: distributed() gives back those of its run
+_KEEPING = []   # one entry per open keep_groups()
+
+
+def new_group(ranks):
+    """dist.new_group, remembered (collective over the world: every rank creates every group)."""
+    group = dist.new_group(ranks)
+    _MADE.append(group)
+    return group
+
+
 def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1) -> ProcessGrid:
     """Create every group of the grid (collective: call it on every rank, same arguments)."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -111,7 +122,7 @@ def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: i
                                ("tp", grid, (TP,)), ("cp_dp", grid, (DP, CP)),
                                ("ep", expert_grid, (1,)), ("expert_dp", expert_grid, (0, 3))):
         for ranks in _groups_along(source, dims):
-            group = dist.new_group(ranks)  # collective over the world: every rank creates every group
+            group = new_group(ranks)  # collective over the world: every rank creates every group
             if rank in ranks:
                 mine[name] = (group, ranks)
     dp_rank, pp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
@@ -166,7 +177,7 @@ def subgroup(grid: ProcessGrid, dim: str, size: int):
     for ranks in _groups_along(layout, (("dp", "pp", "cp", "tp").index(dim),)):
         for start in range(0, len(ranks), size):
             part = ranks[start:start + size]
-            group = dist.new_group(part)
+            group = new_group(part)
             if grid.rank in part:
                 mine = group
     return mine
@@ -177,15 +188,47 @@ def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int
                 timeout_s: float = watchdog.DEFAULT_TIMEOUT_S):
     """`with distributed(...) as grid:` init_distributed, and at the end destroy the process group this
     call created: a process that exits with live gloo/NCCL threads can abort ("terminate called without
-    an active exception") and make a finished run look failed. A group created by the caller (the test
-    harness) is left to it."""
-    created = not dist.is_initialized()
+    an active exception") and make a finished run look failed. In a world the caller made (the test
+    harness, a notebook) the world is left to it, and a finished run destroys the groups it made: each
+    holds threads, and a process that runs many layouts would slow down under hundreds of them."""
+    created, made = not dist.is_initialized(), len(_MADE)
     grid = init_distributed(device_type, dp, pp, cp, tp, ep, timeout_s)
+    finished = False
     try:
         yield grid
+        finished = True
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+            del _MADE[made:]
+        elif not _KEEPING:
+            _give_back(made, finished)
+
+
+def _give_back(made: int, finished: bool):
+    """Destroy the groups made since _MADE[made], after a barrier: no peer still sends in one of them.
+    After a failure a peer may still wait in one: they are only forgotten."""
+    if finished:
+        dist.barrier()
+        for group in _MADE[made:]:
+            if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+                dist.destroy_process_group(group)
+    del _MADE[made:]
+
+
+@contextlib.contextmanager
+def keep_groups():
+    """`with keep_groups():` runs inside it leave their groups alive until it ends (for a caller that
+    uses what a run returned, e.g. steps its pipeline again); then they are given back."""
+    made, finished = len(_MADE), False
+    _KEEPING.append(made)
+    try:
+        yield
+        finished = True
+    finally:
+        _KEEPING.pop()
+        if not _KEEPING:
+            _give_back(made, finished)
 
 
 DEGREES = {"dp": "data-parallel degree: replicas that split the global batch",

@@ -39,7 +39,7 @@ def direction_groups(grid, chunks: int):
     mine = {}
     for key in [("F", False), ("B", False)] + ([("F", True), ("B", True)] if chunks > 1 else []):
         for ranks in pipelines:
-            group = dist.new_group(ranks)
+            group = process_grid.new_group(ranks)
             if grid.rank in ranks:
                 mine[key] = group
     return mine
