@@ -41,7 +41,7 @@ lr 3e-3) amplify for near-zero gradients. The gradient norms of the later steps 
 parameters and are the most sensitive number (1.1e-5 relative at step 2 of a float32 cp2 × pp2 run): 5e-5.
 The Triton layouts are compared with 01's PyTorch path, with test_kernels.py's 1e-4 (losses, norms) and
 1e-3 (parameters): the kernels reorder float32 reductions themselves. They train on 8-token windows of
-synthetic tokens (mbs 1; 01's reference reads the same): the interpreter's cost is per row.
+synthetic tokens and 2 layers (mbs 1; 01's reference reads the same): the interpreter's cost is per row.
 The cp2 × pp2 layout with 3 micro-batches runs in float64, as test_pipeline.py's dp2 × pp2 does: in a 3-step
 float32 run one of the 1024 o_proj weights of layer 2 ended 1.4e-4 from 01's (a near-zero gradient whose
 rounding AdamW turned into a visible step); in float64 everything agrees to 1e-8. ZeRO-1 takes the same
@@ -110,8 +110,9 @@ FLOAT64 = (dict(rtol=1e-10, atol=0), dict(rtol=1e-10, atol=0), dict(rtol=0, atol
 
 
 # Triton's CPU interpreter runs each kernel program in Python (~20 ms for one RMSNorm row): the Triton
-# layouts train on 8-token windows of synthetic tokens, a quarter of the rows of the others' 32
-SHORT = ("--seq-len", 8, "--dataset", "synthetic")
+# layouts train on 8-token windows of synthetic tokens, a quarter of the rows of the others' 32, and on
+# 2 layers, one per stage: what they add is the kernels under a layout, not a deeper stage
+SHORT = ("--seq-len", 8, "--dataset", "synthetic", "--num-layers", 2)
 
 
 def _flags(*extra, mbs=2, grad_acc=2, dtype="float32"):
@@ -218,8 +219,10 @@ def _check(flag_set, per_rank):
     precision = {"float32": "fp32", "float64": "fp64"}[dtype]
     args = cli.parse_args(planner.build_parser(), common.argv(*extra, "--precision", precision),
                           files=False)   # the planner's view: the checkpoints are not read
-    # the reference reads the same windows: a layout's own --seq-len and --dataset (the Triton layouts')
-    data = [f for flag in ("--seq-len", "--dataset") if flag in extra for f in extra[extra.index(flag):][:2]]
+    # the reference reads the same windows with the same depth: a layout's own --seq-len, --dataset and
+    # --num-layers (the Triton layouts')
+    data = [f for flag in ("--seq-len", "--dataset", "--num-layers") if flag in extra
+            for f in extra[extra.index(flag):][:2]]
     layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
     ref_dropped = []                                   # 07's logged rows dropped over capacity
     if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
