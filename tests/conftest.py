@@ -19,16 +19,31 @@ if not torch.cuda.is_available():
 QUICK_FILES = ("tests/test_repository.py",)
 
 
+# `pytest -n 2` (the README's suite command, pytest-xdist): each worker takes whole files, since a file's
+# module fixtures spawn all its layouts at once (split between two workers, both would spawn them). The
+# costliest files (CPU-s on 2 cores) go first, so the last file to start is a short one and both workers
+# end together; the others follow in their usual order.
+COSTLIEST_FIRST = ("test_5d_combined.py", "test_exercises.py", "test_clean_exit.py", "test_materialize.py",
+                   "test_failures.py", "test_kernels.py", "test_bad_inputs.py", "test_gpu_run.py")
+
+
 def _spawns_ranks(config) -> bool:
     """Whether the session will likely fork ranks: a folder, or a test file that uses the harness."""
     paths = [Path(config.invocation_params.dir, arg.split("::")[0]) for arg in config.args]
     return any(p.is_dir() or p.suffix == ".py" and p.is_file() and "harness" in p.read_text() for p in paths)
 
 
+def _xdist_controller(config) -> bool:
+    """pytest -n: this process only hands tests to its workers, and spawns no ranks itself."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
 def pytest_configure(config):
-    if _spawns_ranks(config):
+    if _spawns_ranks(config) and not _xdist_controller(config):
         import rank_server
         rank_server.start()   # its imports overlap collection on the other core
+    if _xdist_controller(config) and config.option.dist == "load":    # -n alone: xdist's default, per test
+        config.option.dist, config.option.loadscopereorder = "loadfile", False   # whole files, in our order
     config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
                                        "one per technique, and the files named in conftest.QUICK_FILES")
 
@@ -45,6 +60,9 @@ def pytest_collection_modifyitems(config, items):
         function = item.nodeid.split("[")[0]
         if item.nodeid in tests or function in tests or item.nodeid.startswith(QUICK_FILES):
             item.add_marker(pytest.mark.quick)
+    if hasattr(config, "workerinput"):   # a worker of pytest -n: the order the controller hands files out
+        first = {name: k for k, name in enumerate(COSTLIEST_FIRST)}
+        items.sort(key=lambda item: first.get(item.path.name, len(first)))   # stable: the rest as they were
 
 
 @pytest.fixture(scope="session", autouse=True)
