@@ -79,11 +79,14 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
         tree = write_copy(root, scratch / "tree", exercises, guarded_lines)
         if (root / ".cache").is_dir():    # the data cache conftest builds: shared, not rebuilt
             (tree / ".cache").symlink_to(root / ".cache")
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EXERCISES_STUBBED")}
+        env = {k: v for k, v in os.environ.items()    # not the suite's: its stubs, path, xdist worker
+               if k not in ("PYTHONPATH", "EXERCISES_STUBBED") and not k.startswith("PYTEST_XDIST")}
         env.update(PYTHONPATH=str(tree / "tests"), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # CPU
         # Each round's tests in as many sessions as the machine has cores (at most 4), run side by side:
-        # a session is mostly one Python thread, so one per core.
-        cores = max(1, min(4, os.cpu_count() or 1))
+        # a session is mostly one Python thread, so one per core. Inside a worker of the suite's
+        # `pytest -n 2` the other core has its own worker: one session a round (a session's start costs
+        # ~5 CPU-s; the cycle took 38 CPU-s in two sessions a round, 27 in one).
+        cores = 1 if "PYTEST_XDIST_WORKER" in os.environ else max(1, min(4, os.cpu_count() or 1))
         sessions = [dict(list(plan.items())[k::cores]) for plan in rounds for k in range(cores)]
 
         def run(n, plan):
