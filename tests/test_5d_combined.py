@@ -64,6 +64,7 @@ ZeRO-1, 03's formulas too (AdamW states 2eΨ/N, 1/N of plain DP's; reduce-scatte
 (N−1)/N·eΨ each; only scalars all-reduced over dp).
 """
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -213,6 +214,22 @@ def _checkpoint_peaks(extra, stages, pipe, mbs, grad_acc):
     return peaks, most
 
 
+@functools.cache
+def _single_device(folder, argv):
+    """(records, final state, logged rows dropped over capacity) of 01's or 07's single-device run for
+    argv: 31 layouts need 13 different ones."""
+    trainer, dropped = import_module(f"{folder}.train"), []
+    log_dropped = getattr(trainer, "log_dropped", None)          # 07's: the rows dropped over capacity
+    if log_dropped:
+        trainer.log_dropped = lambda *args: dropped.append(log_dropped(*args))
+    try:
+        records, model = trainer.main(list(argv))[:2]
+    finally:
+        if log_dropped:
+            trainer.log_dropped = log_dropped
+    return records, {k: v.detach().clone() for k, v in model.state_dict().items()}, dropped
+
+
 def _check(flag_set, per_rank):
     """One flag set's runs on every rank against 01 (07 with experts) and against the planner."""
     extra, mbs, grad_acc, dtype, (loss_tol, norm_tol, param_tol) = flag_set
@@ -224,31 +241,21 @@ def _check(flag_set, per_rank):
     data = [f for flag in ("--seq-len", "--dataset", "--num-layers") if flag in extra
             for f in extra[extra.index(flag):][:2]]
     layout, config = planner.layout_of(args), cli.model_config(args, 257)   # the byte tokenizer's vocabulary
-    ref_dropped = []                                   # 07's logged rows dropped over capacity
     if layout.num_experts:   # 07's single-device MoE (a world of one: RANK is not set here)
-        train07 = import_module("07_expert_parallel.train")
         capacity = extra[extra.index("--capacity-factor"):][:2] if "--capacity-factor" in extra else []
-        log_dropped = train07.log_dropped
-        train07.log_dropped = lambda *args: ref_dropped.append(log_dropped(*args))
-        try:
-            records, model, _ = train07.main(common.argv("--num-experts", layout.num_experts, *capacity,
-                                                         *data, steps=STEPS, mbs=mbs * layout.dp,
-                                                         grad_acc=grad_acc, dtype=dtype))
-        finally:
-            train07.log_dropped = log_dropped
-        ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        records, ref_state, ref_dropped = _single_device("07_expert_parallel", tuple(common.argv(
+            "--num-experts", layout.num_experts, *capacity, *data, steps=STEPS, mbs=mbs * layout.dp,
+            grad_acc=grad_acc, dtype=dtype)))
     else:
         evaluation = extra[extra.index("--eval-every"):][:4] if "--eval-every" in extra else []
         # the model's own flag (tp > kv heads: 04's replicas), which 01 takes too
         kv_heads = extra[extra.index("--num-kv-heads"):][:2] if "--num-kv-heads" in extra else []
-        records, model = import_module("01_single_gpu.train").main(common.argv(
-            *evaluation, *kv_heads, *data, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype))
-        ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
-        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        records, ref_state, ref_dropped = _single_device("01_single_gpu", tuple(common.argv(
+            *evaluation, *kv_heads, *data, steps=STEPS, mbs=mbs * layout.dp, grad_acc=grad_acc, dtype=dtype)))
         for rank, run in enumerate(per_rank if evaluation else []):   # the same held-out batches everywhere
             torch.testing.assert_close(run["eval_losses"], [r["eval_loss"] for r in records], **loss_tol,
                                        msg=f"{extra} rank {rank}")
+    ref_losses, ref_norms = [r["loss"] for r in records], [r["grad_norm"] for r in records]
     covered = set()
     for rank, run in enumerate(per_rank):
         what = f"{' '.join(extra)}, rank {rank}"
