@@ -100,7 +100,7 @@ class ProcessGrid:
 
 
 _MADE = []   # every group new_group created, in order: distributed() gives back those of its run
-_KEEPING = []   # one entry per open keep_groups()
+_KEEPING = [0]   # how many keep_groups() are open
 
 
 def new_group(ranks):
@@ -201,14 +201,15 @@ def distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int
         if created and dist.is_initialized():
             dist.destroy_process_group()
             del _MADE[made:]
-        elif not _KEEPING:
+        elif not _KEEPING[0]:
             _give_back(made, finished)
 
 
 def _give_back(made: int, finished: bool):
     """Destroy the groups made since _MADE[made], after a barrier: no peer still sends in one of them.
-    After a failure a peer may still wait in one: they are only forgotten."""
-    if finished:
+    After a failure a peer may still wait in one: they are only forgotten (and so are those of a world
+    that is already gone)."""
+    if finished and dist.is_initialized():
         dist.barrier()
         for group in _MADE[made:]:
             if group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
@@ -218,16 +219,16 @@ def _give_back(made: int, finished: bool):
 
 @contextlib.contextmanager
 def keep_groups():
-    """`with keep_groups():` runs inside it leave their groups alive until it ends (for a caller that
-    uses what a run returned, e.g. steps its pipeline again); then they are given back."""
+    """`with keep_groups():` (or `@keep_groups()`) runs inside it leave their groups alive until it ends
+    (for a caller that uses what a run returned, e.g. steps its pipeline again); then they are given back."""
     made, finished = len(_MADE), False
-    _KEEPING.append(made)
+    _KEEPING[0] += 1
     try:
         yield
         finished = True
     finally:
-        _KEEPING.pop()
-        if not _KEEPING:
+        _KEEPING[0] -= 1
+        if not _KEEPING[0]:
             _give_back(made, finished)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +80,15 @@ def run_cases(cases: list, limit: float) -> list:
                             "stdout": Path(out_path).read_text(errors="replace"),
                             "stderr": Path(err_path).read_text(errors="replace")})
     return results
+
+
+def run_in_fresh_process(cases: list, limit: float, timeout: float = 900, **options) -> list:
+    """From a test: run_cases in a new interpreter (its forks must not copy the test process), with
+    subprocess.run's `options` (env, cwd); the results in the order of the cases."""
+    done = subprocess.run([sys.executable, __file__, "--limit", str(limit)], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=timeout, **options)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 if __name__ == "__main__":

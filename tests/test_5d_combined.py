@@ -123,14 +123,9 @@ def _flags(*extra, mbs=2, grad_acc=2, dtype="float32"):
     return (list(map(str, extra)), mbs, grad_acc, dtype, tolerance)
 
 
+@process_grid.keep_groups()   # until the measures are taken: _checkpoint_peaks steps the pipeline again
 def _train(flag_set):
-    """On every rank: 08's run() for one flag set; losses, norms, its parameters, its measured bytes. Its
-    groups live until the measures are taken (_checkpoint_peaks steps the returned pipeline again)."""
-    with process_grid.keep_groups():
-        return _train_and_measure(flag_set)
-
-
-def _train_and_measure(flag_set):
+    """On every rank: 08's run() for one flag set; losses, norms, its parameters, its measured bytes."""
     extra, mbs, grad_acc, dtype, _ = flag_set
     if "--resume" in extra:   # from step 1 of the run before: its last checkpoint (step 2) is removed
         if torch.distributed.get_rank() == 0:

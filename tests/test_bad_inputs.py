@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import common
+import forkrun
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {n[:2]: n for n in ("01_single_gpu", "02_data_parallel", "03_zero", "04_tensor_parallel",
@@ -415,12 +416,8 @@ def results(materials):
             for c in CASES + [FULL_DISK]]
     runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
              for c in TOOL_CASES]
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "forkrun.py"), "--limit", str(3 * SECONDS)],
-                          input=json.dumps(runs), capture_output=True, text=True, cwd=ROOT, env=user_env(),
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {case[0]: result
-            for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, json.loads(done.stdout))}
+    results = forkrun.run_in_fresh_process(runs, 3 * SECONDS, cwd=ROOT, env=user_env())
+    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, results)}
 
 
 def check_one_line(result, fix, seconds, status=2):

@@ -369,14 +369,10 @@ def two_ranks(request):
     return run_layouts(train_layout, selected(request, TWO_RANKS), 2)
 
 
+@process_grid.keep_groups()    # the model's tp and cp groups, for the passes after the run
 def four_rank_run(layout):
     """train_layout's numbers; under P_a also the saved-for-backward peaks of one more forward and backward
     of the trained model on this rank's tokens: with P_a's checkpoints, then with 01's plain ones."""
-    with process_grid.keep_groups():    # the model's tp and cp groups, for the passes after the run
-        return _four_rank_measures(layout)
-
-
-def _four_rank_measures(layout):
     module, extra = layout
     records, model = import_module(module).main(common.argv(*extra))[:2]
     if "--partition-activations" not in extra:

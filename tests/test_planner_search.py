@@ -7,16 +7,14 @@ Compared: the step-time terms against the formulas written out here from the pla
 and bubble (float arithmetic: 1e-12 relative); the search's best against the best of narrower searches
 (exact: the same plans are evaluated). Small models and 8-64 GPUs: a search takes about a second.
 """
-import json
 import re
-import subprocess
-import sys
 from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+import forkrun
 import planner
 import search
 import step_time
@@ -196,11 +194,7 @@ def bad_runs():
     """{case: {code, stdout, stderr, seconds}}: each case a process of its own, forked from one that
     imported the planner once (tests/forkrun.py; a fresh interpreter costs ~3 CPU-s a case)."""
     runs = [{"script": str(PLANNER), "argv": argv, "env": {}} for argv, _ in BAD.values()]
-    forkrun = PLANNER.parents[1] / "tests" / "forkrun.py"
-    done = subprocess.run([sys.executable, str(forkrun), "--limit", "120"], input=json.dumps(runs),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(zip(BAD, json.loads(done.stdout)))
+    return dict(zip(BAD, forkrun.run_in_fresh_process(runs, 120)))
 
 
 @pytest.mark.parametrize("case", BAD)

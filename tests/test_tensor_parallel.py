@@ -253,17 +253,17 @@ def tp2_run(layout):
     return train_layout(layout)
 
 
+@process_grid.keep_groups()    # the model's tp group, for the forward and backward after the run
 def recompute_run(layout):
     """train_layout's numbers, with the all-gather wire bytes of the run, and what autograd keeps for
     backward over one more forward and backward of the trained model: the peak (when the forward ends:
     the layers' checkpoints, the head's and the loss's tensors) and what is left after the backward."""
     module, extra = layout
-    with process_grid.keep_groups():    # the model's tp group, for the forward and backward after the run
-        with comm.CommMeter() as meter:
-            records, model = import_module(module).main(common.argv(*extra))[:2]
-        ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
-        with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
-            model(ids[:, :-1], labels=ids[:, 1:]).backward()            # (mbs 4, T): the runs' micro-batch
+    with comm.CommMeter() as meter:
+        records, model = import_module(module).main(common.argv(*extra))[:2]
+    ids = torch.randint(0, 320, (4, common.SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    with memory.saved_activation_bytes(exclude=model.parameters()) as saved:
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()                # (mbs 4, T): the runs' micro-batch
     return numbers(records, model), dict(peak=saved.peak, left=saved.live, calls=dict(meter.calls),
                                          wire=dict(meter.wire))
 
