@@ -268,6 +268,8 @@ TOOL_CASES = [
     ("export-missing", EXPORT, ["--checkpoint-dir", "{missing}", "--out", "{fresh}"], "does not exist", {}),
     ("export-manifest-digit", EXPORT, ["--checkpoint-dir", "{ckpt_manifest_digit}", "--out", "{fresh}"],
      "manifest.json fails its own sha256 check", {}),
+    ("planner-init-from-no-config", PLANNER, ["--init-from", "{empty}", "--tp", "8"],
+     "planner.py: error: {empty}: no config.json in it", {}),
     ("planner-gpu-mem-nan", PLANNER, ["--gpu-mem", "nan"], "--gpu-mem must be a positive finite number", {}),
     ("planner-bw-inter-inf", PLANNER, ["--bw-inter", "inf"],
      "--bw-inter must be a positive finite number", {}),
@@ -438,9 +440,9 @@ def test_mistake_ends_in_one_line(case, results):
 
 
 @pytest.mark.parametrize("case", TOOL_CASES, ids=_ids)
-def test_tool_mistake_ends_in_one_line(case, results):
+def test_tool_mistake_ends_in_one_line(case, results, materials):
     """generate.py, export_hf.py and the planner: the same contract, in their own flags' words."""
-    check_one_line(results[case[0]], case[3], SECONDS)
+    check_one_line(results[case[0]], case[3].format(**materials), SECONDS)
     assert "--resume" not in results[case[0]]["stderr"], results[case[0]]["stderr"]
 
 

@@ -8,10 +8,7 @@ CPU, so a difference means a bug, not rounding; each tolerance says why it is wh
 import functools
 import json
 import math
-import subprocess
-import sys
 from importlib import import_module
-from pathlib import Path
 
 import pytest
 import torch
@@ -327,10 +324,11 @@ def test_activation_estimate_matches_playbook_formula():
     assert estimate("selective", tp=4, sp=True) == int(L * 34 * s * b * h / 4)
 
 
-def test_measured_activations_follow_the_step():
+def test_measured_activations_follow_the_step(capsys):
     """The meter's peak is what is held at once: with two micro-batches the first one's activations are
     freed by its backward before the second forward, so the step's peak equals one micro-batch's saved
-    bytes; each trainer prints that peak after its first step, after the table of estimates."""
+    bytes; each trainer prints that peak after its first step, after the table of estimates (01's, run
+    in-process: a fresh interpreter costs seconds and proves nothing here)."""
     torch.manual_seed(0)
     model = modeling.LlamaForCausalLM(tiny_config())
     ids = torch.randint(0, 96, (2, 2, 33))
@@ -343,9 +341,9 @@ def test_measured_activations_follow_the_step():
     assert step.live == 0                                           # everything was released by backward
     printed = {}
     for mode in ("none", "selective"):
-        script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
-        out = subprocess.run([sys.executable, str(script), *common.argv("--recompute", mode, steps=1)],
-                             capture_output=True, text=True, check=True).stdout
+        capsys.readouterr()
+        train.main(common.argv("--recompute", mode, steps=1))
+        out = capsys.readouterr().out
         line = next(stdout_line for stdout_line in out.splitlines()
                     if stdout_line.startswith("activations saved for backward in step 1"))
         printed[mode] = float(line.split("peak ")[1].split(" MiB")[0])
@@ -353,10 +351,13 @@ def test_measured_activations_follow_the_step():
     assert 0 < printed["selective"] < printed["none"]
 
 
-def test_cli_help_documents_the_contract():
-    script = Path(__file__).resolve().parents[1] / "01_single_gpu" / "train.py"
-    out = subprocess.run([sys.executable, str(script), "--help"],
-                         capture_output=True, text=True, check=True).stdout
+def test_cli_help_documents_the_contract(capsys):
+    """`--help` (in-process; `python 01_single_gpu/train.py` itself starts in gpu_run's smoke run and in
+    test_bad_inputs' fresh interpreters)."""
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0
     for flag in ("--hidden-size", "--intermediate-size", "--num-layers", "--num-heads", "--num-kv-heads",
                  "--seq-len", "--mbs", "--grad-acc", "--steps", "--lr", "--seed", "--dtype", "--device",
                  "--recompute", "--json-log", "--checkpoint-dir", "--checkpoint-every", "--resume",
