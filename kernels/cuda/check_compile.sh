@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile every CUDA teaching kernel for Ampere (sm_80, A100) and Hopper (sm_90, H100) without a GPU.
 #
-#     bash kernels/cuda/check_compile.sh                  # the .cu files: nvcc -c, about 1-2 s each
+#     bash kernels/cuda/check_compile.sh                  # the .cu files: nvcc -c, about 3 s each
 #     bash kernels/cuda/check_compile.sh --with-bindings  # also type-check bindings.cpp against torch (~30 s)
 #
 # The .cu files are plain CUDA (no torch headers), so `nvcc -c` is a complete compile of the kernels,
@@ -19,9 +19,12 @@ trap 'rm -rf "$out"' EXIT
 
 command -v nvcc >/dev/null || { echo "nvcc not found: install the CUDA toolkit to compile the kernels"; exit 2; }
 echo "$(nvcc --version | tail -n 2 | head -n 1)"
+# One nvcc call per file builds both architectures' machine code: the host side is compiled once (~30%
+# less time than a call per architecture). A device-code error names the architecture it came from.
 for cu in "$here"/*.cu; do
+    nvcc -c -std=c++17 -O3 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+        --Werror all-warnings -I"$here" "$cu" -o "$out/$(basename "$cu" .cu).o"
     for arch in 80 90; do
-        nvcc -c -std=c++17 -O3 -arch="sm_$arch" --Werror all-warnings -I"$here" "$cu" -o "$out/$(basename "$cu" .cu)_sm$arch.o"
         echo "ok  $(basename "$cu")  sm_$arch"
     done
 done
