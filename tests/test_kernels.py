@@ -465,13 +465,13 @@ def test_bench_refuses_without_gpu():
 
 def test_train_with_triton_kernels_reproduces_torch_losses():
     """`01_single_gpu/train.py --kernels triton --attn triton` trains with the losses of the default
-    PyTorch path: 3 AdamW steps of the tiny test model on synthetic tokens (the GPU machines have no
-    `datasets` to build the corpus), float32, one 8-token window a step (the interpreter's cost is per
-    row block; the kernels' own tests above cover the tilings). The kernels only reorder float32
-    reductions (see the tolerances above); AdamW's m/√v can amplify those for near-zero gradients, so
-    the losses get 1e-4 and the final parameters 1e-3."""
+    PyTorch path: 3 AdamW steps of the tiny test model, 2 layers deep, on synthetic tokens (the GPU
+    machines have no `datasets` to build the corpus), float32, one 8-token window a step (the
+    interpreter's cost is per row block and per layer; the kernels' own tests above cover the tilings).
+    The kernels only reorder float32 reductions (see the tolerances above); AdamW's m/√v can amplify
+    those for near-zero gradients, so the losses get 1e-4 and the final parameters 1e-3."""
     from common import single_device_run
-    data = ("--dataset", "synthetic", "--device", DEVICE, "--seq-len", 8)
+    data = ("--dataset", "synthetic", "--device", DEVICE, "--seq-len", 8, "--num-layers", 2)
     losses_torch, state_torch = single_device_run(*data, steps=3, mbs=1)
     losses_triton, state_triton = single_device_run(*data, "--kernels", "triton", "--attn", "triton",
                                                     steps=3, mbs=1)
