@@ -4,7 +4,8 @@ Whole-step checks (real gloo ranks; 08's trainer cuts and parallelises the seede
 so without --tp these are 06's stages): one step's schedule on the same micro-batches, zb-h1 against
 1f1b, on the same rank and model, and every parameter's gradient compared:
     pp2 with --kernels torch, with --recompute full, and with --kernels triton (Triton's CPU
-    interpreter, at one 8-token window a micro-batch: its cost is per row block; the fused loss computes
+    interpreter, at one 8-token window a micro-batch and one layer a stage: its cost is per row block and
+    per layer; the fused loss computes
     lm_head's gradient inside its forward, which the split B/W passes must still deliver), in float64;
     tp2 + sp × pp2 (4 ranks), where the W passes, wrapped in 02's CommMeter, must issue no collective
     and no point-to-point message at all (and the B passes, metered alike, do: the meter is live).
@@ -117,7 +118,8 @@ def _pairs(*extra):
 
 
 PP2 = {"pp2": _pairs(), "pp2-recompute-full": _pairs("--recompute", "full"),
-       "pp2-triton": _pairs("--kernels", "triton", "--seq-len", 8, "--mbs", 1)}   # the interpreter: per row
+       # the interpreter's cost is per row block and per layer: 8 tokens, one layer per stage
+       "pp2-triton": _pairs("--kernels", "triton", "--seq-len", 8, "--mbs", 1, "--num-layers", 2)}
 TP2_SP_PP2 = {"tp2sp-pp2": _pairs("--tp", 2, "--sp")}
 
 
