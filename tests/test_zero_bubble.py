@@ -5,8 +5,8 @@ so without --tp these are 06's stages): one step's schedule on the same micro-ba
 1f1b, on the same rank and model, and every parameter's gradient compared:
     pp2 with --kernels torch, with --recompute full, and with --kernels triton (Triton's CPU
     interpreter, at one 8-token window a micro-batch and one layer a stage: its cost is per row block and
-    per layer; the fused loss computes
-    lm_head's gradient inside its forward, which the split B/W passes must still deliver), in float64;
+    per layer; the fused loss computes lm_head's gradient inside its forward, which the split B/W passes
+    must still deliver), in float64;
     tp2 + sp × pp2 (4 ranks), where the W passes, wrapped in 02's CommMeter, must issue no collective
     and no point-to-point message at all (and the B passes, metered alike, do: the meter is live).
 ZB-H1's W runs exactly 1F1B's dW matmuls (dYᵀ·X on the same tensors, accumulated in the same
