@@ -98,19 +98,20 @@ def test_skip_leaves_parameters_and_optimizer_state_untouched(tmp_path):
             and records[3]["loss"] < records[0]["loss"])
 
 
-def test_a_parallel_trainer_stops_and_skips_too(tmp_path, nan_weights):
-    """02 as a user runs it (`python 02_data_parallel/train.py --dp 1`, a world of one, its own train_step on
-    01's loop): with NaN weights, stop ends in one line with status 1; skip skips every step (each logged
-    with a null loss) and exits 0."""
-    command = [sys.executable, str(ROOT / "02_data_parallel" / "train.py"),
-               *common.argv("--dp", 1, "--init-from", nan_weights,
-                            "--json-log", tmp_path / "log.jsonl", steps=2)]
-    stop = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    lines = stop.stderr.strip().splitlines()
-    assert (stop.returncode == 1 and len(lines) == 1
-            and "step 1: the loss is nan" in lines[0]), stop.stderr[-3000:]
-    skip = subprocess.run(command + ["--on-nonfinite", "skip"], capture_output=True, text=True, timeout=300)
-    assert skip.returncode == 0, skip.stderr[-3000:]
+def test_a_parallel_trainer_stops_and_skips_too(tmp_path, capsys, nan_weights):
+    """02 in a world of one (`--dp 1`, its own train_step on 01's loop; run in-process, as 01 above): with
+    NaN weights, stop ends in one line with status 1 and gives its process group back; skip skips every
+    step (each logged with a null loss) and ends normally."""
+    import torch.distributed as dist
+    main = import_module("02_data_parallel.train").main
+    argv = common.argv("--dp", 1, "--init-from", nan_weights, "--json-log", tmp_path / "log.jsonl", steps=2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 1 and len(lines) == 1 and "step 1: the loss is nan" in lines[0], lines
+    assert not dist.is_initialized()
+    main(argv + ["--on-nonfinite", "skip"])
     records = [strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [(r["loss"], r["skipped"]) for r in records] == [(None, True), (None, True)]
 
