@@ -5,13 +5,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # tests/harness.py, tests/common.py
-if not torch.cuda.is_available():
-    # Triton reads it when kernels/ is first imported, by whichever test module comes first (test_fp8
-    # imports kernels/ before test_kernels would set it); spawned ranks inherit it
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 # The quick tier beside the exercises' tests (one per technique, 01-08 and kernels/): these single-process
@@ -41,7 +36,13 @@ def _xdist_controller(config) -> bool:
 def pytest_configure(config):
     if _spawns_ranks(config) and not _xdist_controller(config):
         import rank_server
-        rank_server.start()   # its imports overlap collection on the other core
+        rank_server.start()   # its imports overlap ours and collection on the other core
+    if not _xdist_controller(config):    # the controller runs no test: it need not import torch (~4 CPU-s)
+        import torch
+        if not torch.cuda.is_available():
+            # Triton reads it when kernels/ is first imported, by whichever test module comes first (test_fp8
+            # imports kernels/ before test_kernels would set it); ranks get it with the test's environment
+            os.environ["TRITON_INTERPRET"] = "1"
     if _xdist_controller(config) and config.option.dist == "load":    # -n alone: xdist's default, per test
         config.option.dist, config.option.loadscopereorder = "loadfile", False   # whole files, in our order
     config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
