@@ -33,16 +33,25 @@ def _xdist_controller(config) -> bool:
     return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
 
 
+def _no_cuda_gpu() -> bool:
+    """Whether torch sees no CUDA GPU. Without NVIDIA's driver device there is none: the answer then costs
+    no `import torch` (~4 CPU-s), and the rank server starts at once."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return True
+    import torch
+    return not torch.cuda.is_available()
+
+
 def pytest_configure(config):
+    # (not in the xdist controller: it runs no test)
+    if not _xdist_controller(config) and _no_cuda_gpu():
+        # Triton picks the interpreter when a kernel is defined (`@triton.jit`): here when a test module first
+        # imports kernels/, in a rank when it unpickles its function, before the test's environment is
+        # applied. So it is set before the rank server starts
+        os.environ["TRITON_INTERPRET"] = "1"
     if _spawns_ranks(config) and not _xdist_controller(config):
         import rank_server
-        rank_server.start()   # its imports overlap ours and collection on the other core
-    if not _xdist_controller(config):    # the controller runs no test: it need not import torch (~4 CPU-s)
-        import torch
-        if not torch.cuda.is_available():
-            # Triton reads it when kernels/ is first imported, by whichever test module comes first (test_fp8
-            # imports kernels/ before test_kernels would set it); ranks get it with the test's environment
-            os.environ["TRITON_INTERPRET"] = "1"
+        rank_server.start()   # its imports overlap collection on the other core
     if _xdist_controller(config) and config.option.dist == "load":    # -n alone: xdist's default, per test
         config.option.dist, config.option.loadscopereorder = "loadfile", False   # whole files, in our order
     config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
