@@ -4,7 +4,7 @@
 
 The baseline is taken when the trainer's `run` starts: Python, torch, the data and the process group are
 already there, so the growth is what the run itself held (parameters, gradients, optimizer states,
-activations, communication buffers) at its peak. Writes $PEAK_MEMORY_DIR/rank<r>.json with "growth",
+activations, communication buffers) at its peak. Writes $PEAK_MEMORY_DIR/MODULE.rank<r>.json: "growth",
 "built" (the growth once the rank's parameters exist, before any step) and "parameters" (bytes).
 """
 import json
@@ -52,7 +52,7 @@ def main(module, argv):
     rank = int(os.environ.get("RANK", 0))
     result = dict(rank=rank, growth=_status("VmHWM") - seen["base"], built=seen["built"],
                   parameters=seen["parameters"])
-    Path(os.environ["PEAK_MEMORY_DIR"], f"rank{rank}.json").write_text(json.dumps(result))
+    Path(os.environ["PEAK_MEMORY_DIR"], f"{module}.rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

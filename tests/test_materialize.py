@@ -115,23 +115,26 @@ BIG = ["--hidden-size", 768, "--intermediate-size", 3072, "--num-layers", 12, "-
        "--num-kv-heads", 12, "--seq-len", 8, "--mbs", 1, "--steps", 1, "--warmup-steps", 1, "--no-progress"]
 
 
-def peak_memory(tmp_path, module, ranks, *flags):
-    """Each rank's {"growth", "built", "parameters"} (bytes) for one step of the big model."""
+def peak_memory(tmp_path, runs):
+    """{module: each rank's {"growth", "built", "parameters"} (bytes)} for one step of the big model, for
+    each (module, ranks, flags) of `runs`."""
     text = tmp_path / "fox.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    out = tmp_path / module
-    out.mkdir()
-    env.update(MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS="1", PEAK_MEMORY_DIR=str(out))
-    # Ranks forked after the imports (tests/exit_launcher.py, torchrun's environment): torchrun would start
-    # an interpreter per rank and one for its agent, ~5 CPU-s each, before the baseline is even taken.
-    launch = [sys.executable] + (["tests/exit_launcher.py", "1", str(ranks)] if ranks > 1 else [])
-    command = launch + ["tests/peak_memory.py", module, *map(str, BIG + list(flags)), "--dataset", str(text)]
+    env.update(MALLOC_MMAP_THRESHOLD_=str(2**20), OMP_NUM_THREADS="1", PEAK_MEMORY_DIR=str(tmp_path))
+    # Ranks forked after the imports, one run after the other, from one launcher (tests/exit_launcher.py,
+    # torchrun's environment): torchrun would start an interpreter per rank and one for its agent, ~5 CPU-s
+    # each, before the baseline is even taken.
+    command = [sys.executable, "tests/exit_launcher.py"]
+    for module, ranks, flags in runs:
+        command += ["--then"] * (len(command) > 2) + ["1", str(ranks), "tests/peak_memory.py", module,
+                                                         *map(str, BIG + list(flags)), "--dataset", str(text)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
-    assert len(results) == ranks
+    results = {module: [json.loads(path.read_text())
+                        for path in sorted(tmp_path.glob(f"{module}.rank*.json"))] for module, _, _ in runs}
+    assert [len(results[module]) for module, _, _ in runs] == [ranks for _, ranks, _ in runs]
     return results
 
 
@@ -140,15 +143,15 @@ def test_sharded_ranks_hold_a_fraction_of_the_model(tmp_path):
     psi = 12 * (4 * 768 * 768 + 3 * 768 * 3072 + 2 * 768) + 2 * 320 * 768 + 768         # parameters
     bound = 6 * psi                                  # half of an fp32 replica (4Ψ) and its AdamW states (8Ψ)
     largest = 3072 * 768 * 4                         # bytes of the biggest full tensor (gate/up/down)
-    for what, runs in (("zero-3 dp 4", peak_memory(tmp_path, "03_zero.train", 4,
-                                                   "--dp", 4, "--zero-stage", 3)),
-                       ("tp 4", peak_memory(tmp_path, "04_tensor_parallel.train", 4, "--tp", 4,
-                                            "--dp-mode", "naive"))):
-        for run in runs:
+    measured = peak_memory(tmp_path, [("03_zero.train", 4, ("--dp", 4, "--zero-stage", 3)),
+                                      ("04_tensor_parallel.train", 4, ("--tp", 4, "--dp-mode", "naive")),
+                                      ("01_single_gpu.train", 1, ())])
+    for what, module in (("zero-3 dp 4", "03_zero.train"), ("tp 4", "04_tensor_parallel.train")):
+        for run in measured[module]:
             assert run["growth"] < bound, (what, run, bound)
             assert psi <= run["parameters"] < 1.02 * psi, (what, run)   # Ψ/4 × 4 bytes, + norms and padding
             # ZeRO-3 also allocates its gradient shard (as large as its parameter shard) when it builds
             held = run["parameters"] * (2 if what.startswith("zero") else 1)
             assert run["built"] < held + largest + 16 * 2**20, (what, run)
-    single, = peak_memory(tmp_path, "01_single_gpu.train", 1)
+    single, = measured["01_single_gpu.train"]
     assert single["parameters"] == 4 * psi and single["growth"] > bound, single
