@@ -278,6 +278,12 @@ TOOL_CASES = [
     ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
      "--mfu must be in (0, 1]", {}),
 ]
+# The GPU-only tools on a machine without a GPU: one line naming what to run instead, exit status 1. (With
+# a GPU visible they would run: the cases are then left out.)
+GPU_ONLY_CASES = [
+    ("bench-without-gpu", "kernels/bench.py", [], "kernels/bench.py needs a CUDA GPU; none is visible", {}),
+    ("cuda-ext-without-gpu", "kernels/cuda_ext.py", [], "kernels/cuda_ext.py needs a CUDA GPU", {}),
+]
 # A full disk mid-run (/dev/full takes no byte): one line naming the path, exit status 1, checkpoints intact.
 FULL_DISK = ("json-log-full-disk", "01", ["--json-log", "/dev/full", "--resume", "--checkpoint-dir",
                                           "{ckpt_full_disk}", "--steps", "3"],
@@ -416,10 +422,11 @@ def results(materials):
     """Every case's {code, stdout, stderr, seconds}, by id: one forkrun process for them all (tools too)."""
     runs = [{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": _argv(c, materials), "env": c[4]}
             for c in CASES + [FULL_DISK]]
+    tools = TOOL_CASES + ([] if __import__("torch").cuda.is_available() else GPU_ONLY_CASES)
     runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
-             for c in TOOL_CASES]
+             for c in tools]
     results = forkrun.run_in_fresh_process(runs, 3 * SECONDS, cwd=ROOT, env=user_env())
-    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + TOOL_CASES, results)}
+    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + tools, results)}
 
 
 def check_one_line(result, fix, seconds, status=2):
@@ -444,6 +451,13 @@ def test_tool_mistake_ends_in_one_line(case, results, materials):
     """generate.py, export_hf.py and the planner: the same contract, in their own flags' words."""
     check_one_line(results[case[0]], case[3].format(**materials), SECONDS)
     assert "--resume" not in results[case[0]]["stderr"], results[case[0]]["stderr"]
+
+
+@pytest.mark.parametrize("case", GPU_ONLY_CASES, ids=_ids)
+def test_gpu_only_tool_refuses_on_a_machine_without_one(case, results):
+    if case[0] not in results:
+        pytest.skip("a CUDA GPU is visible: the tool runs")
+    check_one_line(results[case[0]], case[3], SECONDS, status=1)
 
 
 def test_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoint(results, materials):
