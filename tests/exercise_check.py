@@ -1,13 +1,15 @@
 """`python tests/exercises.py check`: the proof of every exercise's make / fail / pass cycle.
 
 Without --passing, exercise k's test, with the exercises before k solved and k and the later ones stubbed,
-fails naming k and no other; with --passing, k solved too, it passes. Each round is one pytest session per
-core, side by side, in a copy of the repository where every solution block is guarded by the environment
-variable EXERCISES_STUBBED (tests/exercise_stubs.py, a pytest plugin, sets it per test); a test function
-named by two exercises goes to two rounds.
+fails naming k and no other; with --passing, k solved too, it passes. The tests run in one pytest session
+per core, side by side, in a copy of the repository where every solution block is guarded by the
+environment variable EXERCISES_STUBBED (tests/exercise_stubs.py, a pytest plugin, sets it per test). A test
+function named by two exercises goes to two rounds: a later round's test runs from a copy of its module
+(tests/test_x__round2.py), whose module fixtures are its own, in the same session.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,16 +84,24 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
         env = {k: v for k, v in os.environ.items()    # not the suite's: its stubs, path, xdist worker
                if k not in ("PYTHONPATH", "EXERCISES_STUBBED") and not k.startswith("PYTEST_XDIST")}
         env.update(PYTHONPATH=str(tree / "tests"), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")  # CPU
-        # Each round's tests in as many sessions as the machine has cores (at most 4), run side by side:
-        # a session is mostly one Python thread, so one per core. Inside a worker of the suite's
-        # `pytest -n 2` the other core has its own worker: one session a round (a session's start costs
-        # ~5 CPU-s; the cycle took 38 CPU-s in two sessions a round, 27 in one).
+        # {node id to run: (exercise, stubs, the id it stands for)}: round k > 0 from its module's copy
+        planned = {}
+        for k, plan in enumerate(rounds):
+            for test, (exercise, stubs) in plan.items():
+                path, name = test.split("::", 1)
+                copy = path if k == 0 else path.removesuffix(".py") + f"__round{k + 1}.py"
+                if not (tree / copy).exists():
+                    shutil.copy2(tree / path, tree / copy)
+                planned[f"{copy}::{name}"] = (exercise, stubs, test)
+        # The tests in as many sessions as the machine has cores (at most 4), run side by side: a session
+        # is mostly one Python thread, so one per core. Inside a worker of the suite's `pytest -n 2` the
+        # other core has its own worker: one session (its start, with its rank server, costs ~15 CPU-s).
         cores = 1 if "PYTEST_XDIST_WORKER" in os.environ else max(1, min(4, os.cpu_count() or 1))
-        sessions = [dict(list(plan.items())[k::cores]) for plan in rounds for k in range(cores)]
+        sessions = [dict(list(planned.items())[k::cores]) for k in range(cores)]
 
         def run(n, plan):
             plan_env = dict(env, EXERCISES_PLAN=str(scratch / f"plan{n}.json"))
-            Path(plan_env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s) in plan.items()}))
+            Path(plan_env["EXERCISES_PLAN"]).write_text(json.dumps({t: s for t, (_, s, _) in plan.items()}))
             xml = scratch / f"session{n}.xml"
             done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                                    "exercise_stubs", f"--junitxml={xml}", *plan], cwd=tree, env=plan_env,
@@ -102,6 +112,8 @@ def check(passing: bool = False, only=None, root: Path = ROOT, timeout: float = 
             return plan, _cases(xml)
         with ThreadPoolExecutor(cores) as pool:
             for plan, cases in pool.map(run, *zip(*[(n, plan) for n, plan in enumerate(sessions) if plan])):
-                for exercise, _ in plan.values():
-                    outcomes[exercise.id] = _judge(exercise, cases, passing, set(ids))
+                for ran, (exercise, _, test) in plan.items():      # judged under the id it stands for
+                    mine = {test + nodeid[len(ran):]: case for nodeid, case in cases.items()
+                            if nodeid == ran or nodeid.startswith(ran + "[")}
+                    outcomes[exercise.id] = _judge(exercise, mine, passing, set(ids))
     return [outcomes[e.id] for e in chosen]

@@ -25,9 +25,13 @@ def pytest_collection_modifyitems(session, config, items):
     users = {}
     for item in items:
         for name, defs in item._fixtureinfo.name2fixturedefs.items():
-            if defs[-1].scope != "function" and name not in HARMLESS:
-                users.setdefault(name, set()).add(tuple(stubbed(item)))
-    shared = sorted(name for name, stubs in users.items() if len(stubs) > 1)
+            scope = defs[-1].scope
+            if scope != "function" and name not in HARMLESS:
+                # one value per definition and module (a module's copy, check's later round, has its own)
+                owner = item.module.__name__ if scope == "module" else getattr(item, "cls", None)
+                users.setdefault((name, id(defs[-1]), owner if scope != "session" else None),
+                                 set()).add(tuple(stubbed(item)))
+    shared = sorted({key[0] for key, stubs in users.items() if len(stubs) > 1})
     if shared:
         raise pytest.UsageError(f"exercise tests under different stubs share the fixtures {shared}: "
                                 f"name tests that do not share them")
