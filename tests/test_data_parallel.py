@@ -6,14 +6,11 @@ docstring's 2(N−1)/N·Ψ; and the order of hook events, which shows the overla
 torchrun, two runs at once on one machine each get a world of one (no shared rendezvous port).
 """
 import os
-import select
-import subprocess
-import sys
 from importlib import import_module
-from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import common
 from harness import layout_results, run_layouts, run_ranks
@@ -51,38 +48,36 @@ def test_bad_layout_fails_before_any_process_group(monkeypatch, capsys):
     assert not dist.is_initialized()
 
 
-HOLD_A_WORLD_OF_ONE = """
-import sys
-import process_grid
-grid = process_grid.init_distributed("cpu")
-print("initialised a world of", grid.world_size, flush=True)
-sys.stdin.readline()   # hold the process group until the test lets go
-"""
+def _hold_a_world_of_one(answers, release):
+    """A plain run's start (no RANK in the environment): a world of one, held until the test lets go."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    try:
+        grid = process_grid.init_distributed("cpu")
+        answers.put(f"initialised a world of {grid.world_size}")
+    except BaseException as error:                   # the test names it
+        answers.put(f"{type(error).__name__}: {error}")
+        raise
+    release.wait(120)                                # hold the process group until the test lets go
 
 
 def test_two_plain_runs_at_once_both_initialise():
-    """Two `python train.py` runs on one machine, without torchrun (no RANK in the environment): each
-    builds a world of one, the second while the first still holds its process group, so they must
-    not share a rendezvous port."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join(str(root / f) for f in ("02_data_parallel", "01_single_gpu/runtime"))
-    runs = []
+    """Two plain runs on one machine, without torchrun: each builds a world of one, the second while the
+    first still holds its process group, so they must not share a rendezvous port. (Two processes forked
+    by the rank server: a fresh interpreter each would only add its imports.)"""
+    context = mp.get_context("forkserver")
+    answers, release, runs = context.Queue(), context.Event(), []
     try:
         for _ in range(2):
-            pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            runs.append(subprocess.Popen([sys.executable, "-c", HOLD_A_WORLD_OF_ONE],
-                                         env=env, text=True, **pipes))
-            ready, _, _ = select.select([runs[-1].stdout], [], [], 120)
-            line = runs[-1].stdout.readline() if ready else "(no answer within 120 s)"
-            if line != "initialised a world of 1\n":
-                runs[-1].kill()
-                pytest.fail(f"run {len(runs)} did not initialise: {line}{runs[-1].stderr.read()[-2000:]}")
+            runs.append(context.Process(target=_hold_a_world_of_one, args=(answers, release)))
+            runs[-1].start()
+            answer = answers.get(timeout=120)
+            assert answer == "initialised a world of 1", f"run {len(runs)} did not initialise: {answer}"
     finally:
+        release.set()
         for run in runs:
-            run.communicate(timeout=60)   # closes stdin: the run lets go and exits
-            assert run.returncode == 0
+            run.join(timeout=60)
+    assert [run.exitcode for run in runs] == [0, 0]
 
 
 def _average_gradients_rank():
