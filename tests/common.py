@@ -1,4 +1,5 @@
 """Shared test settings: a tiny Llama and short runs, so every comparison finishes in seconds."""
+import sys
 from importlib import import_module
 
 # 4 layers (pp 4, or pp 2 × 2 chunks), 4 heads / 2 KV heads (tp 2), vocab 320 (tp 4), seq 32 (cp 4 zig-zag).
@@ -25,3 +26,11 @@ def single_device_reference(*extra, **kw):
     records, model = import_module("01_single_gpu.train").main(argv(*extra, **kw))
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
             {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def exit_launcher(groups) -> list:
+    """The command of tests/exit_launcher.py for [(runs, ranks, script, argv)], one group after the other."""
+    command = [sys.executable, "tests/exit_launcher.py"]
+    for k, (runs, ranks, script, arguments) in enumerate(groups):
+        command += ["--then"] * (k > 0) + [str(runs), str(ranks), script, *map(str, arguments)]
+    return command

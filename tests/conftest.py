@@ -44,19 +44,20 @@ def _no_cuda_gpu() -> bool:
 
 
 def pytest_configure(config):
-    # (not in the xdist controller: it runs no test)
-    if not _xdist_controller(config) and _no_cuda_gpu():
+    config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
+                                       "one per technique, and the files named in conftest.QUICK_FILES")
+    if _xdist_controller(config):    # hands whole files to its workers, in our order, and runs no test
+        if config.option.dist == "load":    # -n alone: xdist's default, per test
+            config.option.dist, config.option.loadscopereorder = "loadfile", False
+        return
+    if _no_cuda_gpu():
         # Triton picks the interpreter when a kernel is defined (`@triton.jit`): here when a test module first
         # imports kernels/, in a rank when it unpickles its function, before the test's environment is
         # applied. So it is set before the rank server starts
         os.environ["TRITON_INTERPRET"] = "1"
-    if _spawns_ranks(config) and not _xdist_controller(config):
+    if _spawns_ranks(config):
         import rank_server
         rank_server.start()   # its imports overlap collection on the other core
-    if _xdist_controller(config) and config.option.dist == "load":    # -n alone: xdist's default, per test
-        config.option.dist, config.option.loadscopereorder = "loadfile", False   # whole files, in our order
-    config.addinivalue_line("markers", "quick: the quick tier (pytest -m quick): every exercise's test, "
-                                       "one per technique, and the files named in conftest.QUICK_FILES")
 
 
 def pytest_collection_modifyitems(config, items):

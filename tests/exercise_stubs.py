@@ -27,10 +27,10 @@ def pytest_collection_modifyitems(session, config, items):
         for name, defs in item._fixtureinfo.name2fixturedefs.items():
             scope = defs[-1].scope
             if scope != "function" and name not in HARMLESS:
-                # one value per definition and module (a module's copy, check's later round, has its own)
-                owner = item.module.__name__ if scope == "module" else getattr(item, "cls", None)
-                users.setdefault((name, id(defs[-1]), owner if scope != "session" else None),
-                                 set()).add(tuple(stubbed(item)))
+                # one value per definition and module or class (a module's copy, check's later round, has
+                # its own)
+                owner = {"module": item.module.__name__, "class": getattr(item, "cls", None)}.get(scope)
+                users.setdefault((name, id(defs[-1]), owner), set()).add(tuple(stubbed(item)))
     shared = sorted({key[0] for key, stubs in users.items() if len(stubs) > 1})
     if shared:
         raise pytest.UsageError(f"exercise tests under different stubs share the fixtures {shared}: "

@@ -11,7 +11,6 @@ costs its training, not an interpreter start per rank; every run gets its own re
 """
 import os
 import subprocess
-import sys
 from importlib import import_module
 from pathlib import Path
 
@@ -31,10 +30,8 @@ def test_short_multi_rank_runs_exit_cleanly_every_time():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "tests/exit_launcher.py"]
-    for script, ranks, repeats, flags in RUNS:                    # one launcher: its imports once
-        command += ["--then"] * (len(command) > 2) + [str(repeats), str(ranks), script,
-                                                         *common.argv(*flags, steps=1, mbs=2)]
+    command = common.exit_launcher([(repeats, ranks, script, common.argv(*flags, steps=1, mbs=2))
+                                    for script, ranks, repeats, flags in RUNS])   # one launcher: imports once
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     failures = []
     for script, ranks, repeats, _ in RUNS:

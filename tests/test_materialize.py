@@ -16,12 +16,12 @@ threshold at 1 MiB so that freed tensors go back to the system and RSS shows wha
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import common
 import model as modeling
 import global_state
 import materialize
@@ -126,11 +126,10 @@ def peak_memory(tmp_path, runs):
     # Ranks forked after the imports, one run after the other, from one launcher (tests/exit_launcher.py,
     # torchrun's environment): torchrun would start an interpreter per rank and one for its agent, ~5 CPU-s
     # each, before the baseline is even taken.
-    command = [sys.executable, "tests/exit_launcher.py"]
-    for module, ranks, flags in runs:
-        command += ["--then"] * (len(command) > 2) + ["1", str(ranks), "tests/peak_memory.py", module,
-                                                         *map(str, BIG + list(flags)), "--dataset", str(text)]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    groups = [(1, ranks, "tests/peak_memory.py", [module, *BIG, *flags, "--dataset", text])
+              for module, ranks, flags in runs]
+    done = subprocess.run(common.exit_launcher(groups), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = {module: [json.loads(path.read_text())
                         for path in sorted(tmp_path.glob(f"{module}.rank*.json"))] for module, _, _ in runs}
