@@ -20,7 +20,6 @@ requires; a rank keeps the ones it belongs to in a frozen dataclass that is pass
 """
 import contextlib
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -133,14 +132,6 @@ def build_process_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: i
                        **{f"{name}_group": group for name, (group, _) in mine.items()})
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now: the system's pick for port 0 (a fixed one, torchrun's 29500,
-    would make a second run on the machine fail with "address already in use")."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1,
                      timeout_s: float = watchdog.DEFAULT_TIMEOUT_S) -> ProcessGrid:
     """Join the job `torchrun` (or the test harness) started and build the grid.
@@ -161,9 +152,8 @@ def init_distributed(device_type: str, dp: int = 1, pp: int = 1, cp: int = 1, tp
         timeout = timedelta(seconds=watchdog.group_timeout_s(timeout_s))   # the watchdog speaks first
         if "RANK" in os.environ:     # torchrun (or the test harness) set RANK, WORLD_SIZE, MASTER_ADDR/PORT
             dist.init_process_group(backend, timeout=timeout)
-        else:                        # plain `python train.py`: a world of one, on a port no other run holds
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                    world_size=1, timeout=timeout)
+        else:   # plain `python train.py`: a world of one meets in its own memory, so it needs no TCP port
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return build_process_grid(dp, pp, cp, tp, ep)
 
 

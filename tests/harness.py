@@ -5,16 +5,16 @@
     layout_results(outcomes, "cp2")     # every rank's run_one(layouts["cp2"]), or the error naming "cp2"
 
 Every rank is a new process with the caller's environment plus what `torchrun` would give it (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and an initialised gloo process group, so code
-under test can call `dist.*` directly or read the environment like a `torchrun` script. A rank that
-raises makes the call fail with that rank's traceback; a rank that hangs (a mismatched collective)
-makes it fail after `timeout` seconds instead of hanging the test suite. `fn` must be importable by
-name (a module-level function), as it is pickled to the ranks. Results may hold tensors: they are
-copied. The ranks are forked from a `forkserver` that has imported torch once: a `spawn`ed rank paid
-~2-3 s of imports (torch, and torch._dynamo, which the first parameter initialisation imports) on 2
-cores, and its exit ~2 s more. A start still costs seconds, so a test file runs its layouts in one spawn with
-`run_layouts` and checks each in its own parametrised test: a layout that fails names itself, on
-the ranks or in its test, and leaves the others' results standing.
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE) and an initialised gloo
+process group, so code under test can call `dist.*` directly or read the environment like a `torchrun`
+script. A rank that raises makes the call fail with that rank's traceback; a rank that hangs (a
+mismatched collective) makes it fail after `timeout` seconds instead of hanging the test suite. `fn` must
+be importable by name (a module-level function), as it is pickled to the ranks. Results may hold tensors:
+they are copied. The ranks are forked from a `forkserver` that has imported torch once: a `spawn`ed rank
+paid ~2-3 s of imports (torch, and torch._dynamo, which the first parameter initialisation imports) on 2
+cores, and its exit ~2 s more. A start still costs seconds, so a test file runs its layouts in one spawn
+with `run_layouts` and checks each in its own parametrised test: a layout that fails names itself, on the
+ranks or in its test, and leaves the others' results standing.
 """
 import os
 import pickle
@@ -27,8 +27,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rank_server
-
-from process_grid import free_port
 
 _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(rank_server.PRELOAD)   # imported once, by the server (conftest may start it)
@@ -43,7 +41,8 @@ def _rank_main(environment, rank, world_size, port, timeout, queue, body, body_a
     os.environ.clear()                       # the server's environment is the one it started with
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")   # every rank a client of the caller's store
     try:
         import torch
         torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe them
@@ -60,8 +59,13 @@ def _rank_main(environment, rank, world_size, port, timeout, queue, body, body_a
 def _spawned(world_size, timeout, body, *body_args):
     """Start the ranks; yield receive(wait): the next message (rank, kind, layout id, value), None after
     `wait` seconds of silence. On exit the ranks get 5 s to finish if all sent their last message (a
-    failed one's peers are likely blocked in a collective with it: 0.5 s), then are killed."""
-    queue, port, finished = _RANKS.Queue(), free_port(), set()
+    failed one's peers are likely blocked in a collective with it: 0.5 s), then are killed.
+
+    The ranks meet through a store this process serves, as torchrun's agent does, on a port the system
+    gives it and it holds until the end: no other process can take the port before the ranks use it."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    queue, port, finished = _RANKS.Queue(), store.port, set()
     procs = [_RANKS.Process(target=_rank_main, daemon=True,
                             args=(dict(os.environ), r, world_size, port, timeout, queue, body, body_args))
              for r in range(world_size)]
@@ -83,6 +87,7 @@ def _spawned(world_size, timeout, body, *body_args):
             p.join(timeout=5 if len(finished) == world_size else 0.5)
             if p.is_alive():
                 p.kill()
+        del store   # the server goes only once no rank can still need it
 
 
 def _call(rank, world_size, port, timeout, queue, fn, args, kwargs):
@@ -128,7 +133,7 @@ def _all_finished(store, step, rank, world_size, failed, settle, timeout):
 
 def _layouts_on_rank(rank, world_size, port, timeout, queue, run_one, layouts, args, settle):
     """Every layout in turn; each result (or traceback) is sent as soon as it exists, tagged."""
-    # A client of the store the process group met through (rank 0 serves it): the ranks' agreement
+    # A client of the store the process group met through (the caller serves it): the ranks' agreement
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
     for step, (layout_id, layout) in enumerate(layouts.items()):
         queue.put((rank, "running", layout_id, None))

@@ -5,12 +5,14 @@ believed. Expected values are exact integers, so the comparisons are exact. Seve
 spawn: a layout that raises or hangs is named, and the layouts before it keep their results; those
 after it still run unless a rank may be blocked in a collective with the failed one.
 """
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from harness import RankError, layout_results, run_layouts, run_ranks
 
 
@@ -73,6 +75,31 @@ def test_failures_and_hangs_are_reported():
         run_ranks(fail_on_rank_one, world_size=2, timeout=30)
     with pytest.raises(RankError, match="no result within"):
         run_ranks(hang_on_rank_zero, world_size=2, timeout=8)
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen(monkeypatch):
+    """Between choosing the ranks' port and the rendezvous on it, nobody else can take it. The old harness
+    asked the system for a free port, let it go, and rank 0 bound it a second later: in CI a gloo socket
+    of a test on the other worker took it in between (rank 0: EADDRINUSE, three tests failed). Here a
+    squatter tries to take the port just before the ranks start."""
+    squatter, squatted = socket.socket(), []
+    start = harness._RANKS.Process.start
+
+    def start_after_a_squat(process):
+        port = process._args[3]                      # _rank_main(environment, rank, world_size, port, ...)
+        if not squatted:
+            try:
+                squatter.bind(("127.0.0.1", port))
+                squatter.listen()
+                squatted.append(port)
+            except OSError:                          # taken: held for the ranks
+                squatted.append(None)
+        start(process)
+    monkeypatch.setattr(harness._RANKS.Process, "start", start_after_a_squat)
+    with squatter:
+        results = run_ranks(collectives_on_every_rank, world_size=2, timeout=60)
+    assert squatted == [None], f"the squatter took the ranks' port {squatted[0]}"
+    assert [out["all_reduce"] for out in results] == [[3.0] * 3] * 2
 
 
 def many_tensors():
