@@ -1,6 +1,8 @@
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -17,10 +19,10 @@ QUICK_FILES = ("tests/test_repository.py",)
 # `pytest -n 2` (the README's suite command, pytest-xdist): each worker takes whole files, since a file's
 # module fixtures spawn all its layouts at once (split between two workers, both would spawn them). The
 # costliest files (wall seconds on 2 cores) go first, so the last file to start is a short one and both
-# workers end together; the others follow in their usual order. test_failures waits ~40 s for a stalled
-# run to end: it goes second, beside 08's spawns, whose ranks take the idle core.
-COSTLIEST_FIRST = ("test_5d_combined.py", "test_failures.py", "test_clean_exit.py", "test_exercises.py",
-                   "test_bad_inputs.py", "test_gpu_run.py", "test_kernels.py", "test_materialize.py")
+# workers end together; the others follow in their usual order.
+COSTLIEST_FIRST = ("test_5d_combined.py", "test_kernels.py", "test_clean_exit.py", "test_bad_inputs.py",
+                   "test_exercises.py", "test_pipeline.py", "test_gpu_run.py", "test_mixed_precision.py",
+                   "test_materialize.py")
 
 
 def _spawns_ranks(config) -> bool:
@@ -58,6 +60,34 @@ def pytest_configure(config):
     if _spawns_ranks(config):
         import rank_server
         rank_server.start()   # its imports overlap collection on the other core
+
+
+# pytest -n: test_failures' stalled-rank run (~50 s, mostly waits) runs in the controller, which runs no test,
+# from the moment a worker has collected its test; the test reads its record (torchrun_runs.py).
+_STALLED_RUN = {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Each worker learns where the stalled run's record will be."""
+    if sys.platform.startswith("linux"):
+        if "directory" not in _STALLED_RUN:
+            _STALLED_RUN["directory"] = Path(tempfile.mkdtemp(prefix="stalled-run-"))
+        node.workerinput["stalled_run_record"] = str(_STALLED_RUN["directory"] / "stalled_run.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    import torchrun_runs
+    if "directory" in _STALLED_RUN and "run" not in _STALLED_RUN and torchrun_runs.STALLED_ID in ids:
+        _STALLED_RUN["run"] = torchrun_runs.StalledRun(_STALLED_RUN["directory"])
+
+
+def pytest_unconfigure(config):
+    if "run" in _STALLED_RUN:
+        _STALLED_RUN.pop("run").stop()
+    if "directory" in _STALLED_RUN:
+        shutil.rmtree(_STALLED_RUN.pop("directory"), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

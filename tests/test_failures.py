@@ -6,11 +6,7 @@ strict JSON, and, on real 2-rank gloo runs under torchrun on the CPU, the second
 a run whose rank 1 was stopped (SIGSTOP), or whose torchrun agent was killed, is gone.
 """
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from importlib import import_module
 from pathlib import Path
@@ -19,6 +15,8 @@ import pytest
 import torch
 
 import common
+import torchrun_runs
+from torchrun_runs import STALLED, alive, cleanup, start_torchrun, workers
 
 import cli
 import hf_io
@@ -134,24 +132,6 @@ def test_watchdog_ends_a_loop_without_progress(capfd):
 # ======================================================================================
 # Real 2-rank runs under torchrun
 # ======================================================================================
-def start_torchrun(tmp_path, *extra):
-    """torchrun --nproc_per_node 2 of 02 (dp 2, an endless run logging every step); its stdout lines are
-    collected in the background."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            str(ROOT / "02_data_parallel" / "train.py"),
-                            *common.argv("--dp", 2, "--log-every", 1, *extra, steps=100_000, mbs=2)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-    run.lines, run.closed = [], threading.Event()
-
-    def read():
-        run.lines.extend(iter(run.stdout.readline, ""))
-        run.closed_at = time.monotonic()     # the pipe's end: the agent and every rank holding it are gone
-        run.closed.set()
-    threading.Thread(target=read, daemon=True).start()
-    return run
-
-
 def wait_for(condition, seconds, what, run):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -160,66 +140,19 @@ def wait_for(condition, seconds, what, run):
         time.sleep(0.2)
 
 
-def workers(agent_pid):
-    """{rank: pid} of the processes whose parent is torchrun's agent."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if (entry.name.isdigit()
-                    and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid):
-                env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
-                found[int(env["RANK"])] = int(entry.name)
-        except (OSError, KeyError, ValueError):
-            pass
-    return found
-
-
-def alive(pid):
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except OSError:
-        return False
-
-
-def cleanup(run, pids):
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    if run.poll() is None:
-        run.kill()
-    run.wait(timeout=60)
-
-
-STALLED = "test_a_stalled_rank_ends_every_rank"
-
-
 @pytest.fixture(scope="module", autouse=True)
 def stalled_run(request, tmp_path_factory):
-    """The run of test_a_stalled_rank_ends_every_rank, started before this file's first test when that test
-    is selected: ~40 of its ~50 s are waits (the watchdog's 10 s, torchrun's 30 s grace before SIGKILL),
-    which the other tests fill. A thread stops rank 1 (SIGSTOP) once step 3 is logged."""
-    if not sys.platform.startswith("linux") or all(item.name != STALLED for item in request.session.items):
-        yield None
+    """The record of test_a_stalled_rank_ends_every_rank's run, made in the background (torchrun_runs.py):
+    under `pytest -n` by the xdist controller (conftest), else started here before this file's first test
+    when that test is selected. Yields the record's path."""
+    started = getattr(request.config, "workerinput", {}).get("stalled_run_record")
+    if started or not sys.platform.startswith("linux") or all(item.name != STALLED
+                                                              for item in request.session.items):
+        yield started
         return
-    run = start_torchrun(tmp_path_factory.mktemp("stalled"), "--timeout-s", 10)
-    run.pids = {}
-
-    def stop_rank_1():
-        deadline = time.monotonic() + 180
-        while not any(line.startswith("step     3 ") for line in run.lines):
-            if time.monotonic() > deadline or run.poll() is not None:
-                return
-            time.sleep(0.2)
-        run.pids = workers(run.pid)
-        if sorted(run.pids) == [0, 1]:
-            os.kill(run.pids[1], signal.SIGSTOP)
-            run.stopped_at = time.monotonic()
-    run.stopper = threading.Thread(target=stop_rank_1, daemon=True)
-    run.stopper.start()
-    yield run
-    run.stopper.join(timeout=200)
-    cleanup(run, run.pids.values())
+    run = torchrun_runs.StalledRun(tmp_path_factory.mktemp("stalled"))
+    yield run.path
+    run.stop()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
@@ -228,18 +161,16 @@ def test_a_stalled_rank_ends_every_rank(stalled_run):
     watchdog ends it --timeout-s (10 s) after its last step, torchrun then kills the stopped rank and exits
     non-zero. Every process is gone within the timeout plus torchrun's 30 s grace before SIGKILL, plus slack.
     (The old code had no --timeout-s; without it, rank 0 waited for gloo's 30-minute default.)"""
-    run = stalled_run
-    run.stopper.join(timeout=200)
-    output = lambda: "".join(run.lines)[-4000:]          # noqa: E731
-    assert hasattr(run, "stopped_at"), f"rank 1 was not stopped at step 3 (workers {run.pids}):\n{output()}"
-    run.wait(timeout=max(1.0, run.stopped_at + 10 + 30 + 40 - time.monotonic()))
-    assert run.closed.wait(timeout=10), output()
-    seconds = run.closed_at - run.stopped_at
-    assert run.returncode != 0, output()
-    assert "rank 0: no progress for" in output(), output()
-    assert "a peer stalled, died or deadlocked" in output(), output()
-    assert not any(alive(pid) for pid in run.pids.values()), output()
-    assert seconds < 80, seconds
+    run = torchrun_runs.read_record(stalled_run)
+    assert run is not None, f"the stalled run left no record at {stalled_run} within 300 s"
+    assert run["error"] is None, run["error"]
+    output = run["output"]
+    assert "stopped_at" in run, f"rank 1 was not stopped at step 3 (workers {run['pids']}):\n{output}"
+    assert run["returncode"] not in (0, None), output
+    assert "rank 0: no progress for" in output, output
+    assert "a peer stalled, died or deadlocked" in output, output
+    assert not run["alive"], output
+    assert run["seconds"] < 80, run["seconds"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
