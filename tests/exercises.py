@@ -105,8 +105,7 @@ def parse(root: Path = ROOT) -> list:
         if not name.endswith(SOURCES) or name.startswith("tests/"):
             continue
         lines = (root / name).read_text().splitlines()
-        functions = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef)] \
-            if name.endswith(".py") else []
+        functions = None   # parsed at this file's first marker: most files have none
         i = 0
         while i < len(lines):
             match = OPEN.match(lines[i])
@@ -131,6 +130,9 @@ def parse(root: Path = ROOT) -> list:
                 raise ExerciseError(f"{where}: exercise {ex_id} has no solution lines")
             if any(lines[j].strip() and not lines[j].startswith(indent) for j in range(start, end)):
                 raise ExerciseError(f"{where}: a solution line is indented less than its marker")
+            if name.endswith(".py") and functions is None:
+                tree = ast.parse("\n".join(lines))
+                functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
             if name.endswith(".py") and not any(f.lineno < i + 1 and f.end_lineno >= end for f in functions):
                 raise ExerciseError(f"{where}: exercise {ex_id} is not inside a function (its stub would run "
                                     f"when the module is imported)")

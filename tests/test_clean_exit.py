@@ -7,7 +7,7 @@ process that leaves with its gloo process group alive can be torn down while glo
 failure is random, so the test repeats short runs: 24 runs catch a 1-in-10 failure with probability
 1 − 0.9²⁴ ≈ 92%, a 1-in-20 one with 71%. The ranks are launched by tests/exit_launcher.py: torchrun's
 environment and a normal interpreter exit (where the abort happened), forked after the imports so a run
-costs its training, not an interpreter start per rank; every run gets its own rendezvous port.
+costs its training, not an interpreter start per rank; every run meets through a store of its own.
 """
 import os
 import subprocess

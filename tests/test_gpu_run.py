@@ -130,9 +130,13 @@ def test_matrix_puts_the_headline_and_baseline_first_then_one_axis_changes():
     assert ("tests", ["tests/test_gpu_trainers.py"]) in [(kind, what) for kind, what, *_ in stages]
 
 
-def test_budget_skips_the_stages_it_cannot_start(tmp_path):
+def test_budget_skips_the_stages_it_cannot_start(smoke, tmp_path, monkeypatch):
     """--budget-s 0: the machine is probed, every other stage is recorded as skipped, and the section
-    says that no training row ran."""
+    says that no training row ran. The probe answers as it did for the smoke run (whose test checks it):
+    a second one would only start another interpreter."""
+    out, records = smoke
+    probed = {k: v for k, v in records[0].items() if k not in ("stage", "status", "smoke", "budget_s")}
+    monkeypatch.setattr(gpu_run, "machine", lambda log, env: (probed, (out / "machine.txt").read_text()))
     gpu_run.main(["--out", str(tmp_path), "--smoke", "--budget-s", "0"])
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert records[0]["stage"] == "machine" and len(records) == 1 + len(gpu_run.plan(smoke=True))
