@@ -1,5 +1,6 @@
 """Shared test settings: a tiny Llama and short runs, so every comparison finishes in seconds."""
 import sys
+from datetime import timedelta
 from importlib import import_module
 
 # 4 layers (pp 4, or pp 2 × 2 chunks), 4 heads / 2 KV heads (tp 2), vocab 320 (tp 4), seq 32 (cp 4 zig-zag).
@@ -26,6 +27,23 @@ def single_device_reference(*extra, **kw):
     records, model = import_module("01_single_gpu.train").main(argv(*extra, **kw))
     return ([r["loss"] for r in records], [r["grad_norm"] for r in records],
             {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def torchrun_environment(rank: int, world_size: int, port: int) -> dict:
+    """What torchrun's agent gives worker `rank`: every rank a client of the store the launcher serves on
+    `port` (launcher_store), so no rank has to bind a port another process could have taken first."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+def launcher_store(world_size: int, timeout_s: float = 300.0):
+    """The TCPStore a launcher serves for its ranks, as torchrun's agent does: on a port the system gives
+    it (`.port`) and it keeps until the store is dropped. Make it after forking: a forked child would hold
+    a server whose thread it lacks."""
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
 
 
 def exit_launcher(groups) -> list:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 for script in dict.fromkeys(script for _, _, script, _ in groups):
     runpy.run_path(script, run_name="exit_launcher_preload")     # the imports, without running main()
 import torch._dynamo  # noqa: E402,F401  (imported by the first parameter init: once here, not per rank)
-import torch.distributed as dist  # noqa: E402
+import common  # noqa: E402  (tests/, this script's folder)
 # The imported objects move out of the collector's sight: each rank's exit still collects what the rank made
 # (its process group, model, threads), but no longer traverses torch's ~10^5 objects, which wrote to every
 # page a rank shared with this parent (copy-on-write): a rank's exit cost ~2.2 CPU-s, now ~0.7.
@@ -45,18 +45,13 @@ for runs, ranks, script, argv in groups:
             pid = os.fork()
             if pid == 0:                                          # the rank: runs, then exits like a worker
                 os.close(port_pipes[rank][1])
-                port = os.read(port_pipes[rank][0], 16).decode()  # waits for the store below
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                                  LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                  TORCHELASTIC_USE_AGENT_STORE="True")
+                port = int(os.read(port_pipes[rank][0], 16))      # waits for the store below
+                os.environ.update(common.torchrun_environment(rank, ranks, port))
                 sys.argv = [script, *argv]
                 runpy.run_path(script, run_name="__main__")
                 sys.exit(0)                                       # propagates to the top: a normal exit
             pids[rank] = pid
-        # The run's store, served here as torchrun's agent serves it, on a port the system gives it and it
-        # holds (no other process can take it before the ranks meet). Made after the forks: a rank must not
-        # inherit a server whose thread it lacks.
-        store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
+        store = common.launcher_store(ranks)                      # after the forks (common.py says why)
         for read_end, write_end in port_pipes.values():
             os.close(read_end)
             os.write(write_end, str(store.port).encode())

@@ -26,6 +26,7 @@ from queue import Empty
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import common
 import rank_server
 
 _RANKS = mp.get_context("forkserver")
@@ -40,9 +41,7 @@ def _rank_main(environment, rank, world_size, port, timeout, queue, body, body_a
     """One rank: join the job, run body; its last message is ("end", value) or ("error", traceback)."""
     os.environ.clear()                       # the server's environment is the one it started with
     os.environ.update(environment)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")   # every rank a client of the caller's store
+    os.environ.update(common.torchrun_environment(rank, world_size, port))
     try:
         import torch
         torch.set_num_threads(1)  # N ranks share 2 cores; more threads only oversubscribe them
@@ -63,8 +62,7 @@ def _spawned(world_size, timeout, body, *body_args):
 
     The ranks meet through a store this process serves, as torchrun's agent does, on a port the system
     gives it and it holds until the end: no other process can take the port before the ranks use it."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = common.launcher_store(world_size, timeout)
     queue, port, finished = _RANKS.Queue(), store.port, set()
     procs = [_RANKS.Process(target=_rank_main, daemon=True,
                             args=(dict(os.environ), r, world_size, port, timeout, queue, body, body_args))

@@ -81,19 +81,16 @@ def test_two_plain_runs_at_once_both_initialise():
 
 
 def test_a_plain_run_needs_no_port(monkeypatch):
-    """A world of one rendezvouses in its own memory: no TCP port another process could take between its
-    choice and its use (the old code asked the system for a free one, let it go, then bound it).
-    Here any port it might be handed is already taken."""
-    import socket
+    """A world of one rendezvouses in its own memory (a HashStore): no TCP port another process could take
+    between its choice and its use (the old code asked the system for a free one, let it go, then bound
+    it: a TCPStore)."""
     import torch.distributed as dist
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        monkeypatch.setattr(process_grid, "free_port", lambda: squatter.getsockname()[1], raising=False)
-        with process_grid.distributed("cpu") as grid:
-            assert grid.world_size == 1 and dist.get_world_size() == 1
+    with process_grid.distributed("cpu") as grid:
+        assert grid.world_size == 1 and dist.get_world_size() == 1
+        store = dist.distributed_c10d._get_default_store()
+        assert isinstance(getattr(store, "underlying_store", store), dist.HashStore), type(store)
     assert not dist.is_initialized()
 
 
