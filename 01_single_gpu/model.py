@@ -225,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
     def reset_parameters(self):
         """Hugging Face's Llama init: normal(0, 0.02) for matrices, ones for norms."""
         for name, p in self.named_parameters():
+            if p.is_meta:   # a shape without values (materialize.py draws them): nothing to fill
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
