@@ -19,7 +19,12 @@ import torch
 import model as modeling
 import hf_io
 
-transformers = pytest.importorskip("transformers")
+
+@pytest.fixture(scope="module")
+def transformers():
+    """Imported by the tests that compare with it (~1 s), not when pytest collects this file."""
+    return pytest.importorskip("transformers")
+
 
 SHAPES = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2)
@@ -35,7 +40,7 @@ ROPE = {
 T = 80
 
 
-def transformers_model(rope_parameters):
+def transformers_model(transformers, rope_parameters):
     """transformers' Llama in float64 with weights of std 0.3: sharp attention, so the angles matter."""
     config = transformers.LlamaConfig(**SHAPES, rope_parameters=dict(rope_parameters),
                                       attn_implementation="eager", max_position_embeddings=256)
@@ -74,19 +79,19 @@ def check_same_logits(ours, theirs, case):
 
 
 @pytest.mark.parametrize("case", ROPE)
-def test_transformers_save_pretrained_loads_into_ours(tmp_path, case):
+def test_transformers_save_pretrained_loads_into_ours(transformers, tmp_path, case):
     """transformers -> save_pretrained (rope_parameters layout) -> our loaders: the same logits."""
-    theirs = transformers_model(ROPE[case])
+    theirs = transformers_model(transformers, ROPE[case])
     theirs.save_pretrained(tmp_path)
     check_same_logits(ours_from(tmp_path), theirs, case)
 
 
 @pytest.mark.parametrize("case", ROPE)
-def test_older_top_level_layout_loads_into_ours(tmp_path, case):
+def test_older_top_level_layout_loads_into_ours(transformers, tmp_path, case):
     """The same checkpoint with config.json in the pre-transformers-5 layout, written by hand as Llama 2 /
     Llama 3.1 checkpoints ship it: top-level rope_theta, rope_scaling naming its kind `type` (linear, the
     older spelling) or `rope_type` (llama3)."""
-    theirs = transformers_model(ROPE[case])
+    theirs = transformers_model(transformers, ROPE[case])
     theirs.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     rope = raw.pop("rope_parameters")
@@ -100,10 +105,10 @@ def test_older_top_level_layout_loads_into_ours(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ROPE)
-def test_ours_save_hf_loads_into_transformers(tmp_path, case):
+def test_ours_save_hf_loads_into_transformers(transformers, tmp_path, case):
     """ours (loaded from transformers' save) -> save_hf -> transformers from_pretrained: same logits, and
     config.json holds the RoPE fields exactly as transformers' own save_pretrained writes them."""
-    theirs = transformers_model(ROPE[case])
+    theirs = transformers_model(transformers, ROPE[case])
     theirs.save_pretrained(tmp_path / "theirs")
     ours = ours_from(tmp_path / "theirs")
     hf_io.save_hf(ours, tmp_path / "ours")
