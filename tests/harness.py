@@ -29,8 +29,7 @@ import torch.multiprocessing as mp
 import common
 import rank_server
 
-_RANKS = mp.get_context("forkserver")
-_RANKS.set_forkserver_preload(rank_server.PRELOAD)   # imported once, by the server (conftest may start it)
+_RANKS = mp.get_context("forkserver")   # rank_server.py: the server and what it imports once
 
 
 class RankError(RuntimeError):
@@ -62,6 +61,7 @@ def _spawned(world_size, timeout, body, *body_args):
 
     The ranks meet through a store this process serves, as torchrun's agent does, on a port the system
     gives it and it holds until the end: no other process can take the port before the ranks use it."""
+    rank_server.start()                      # if conftest has not started it
     store = common.launcher_store(world_size, timeout)
     queue, port, finished = _RANKS.Queue(), store.port, set()
     procs = [_RANKS.Process(target=_rank_main, daemon=True,
