@@ -6,6 +6,7 @@ spawn: a layout that raises or hangs is named, and the layouts before it keep th
 after it still run unless a rank may be blocked in a collective with the failed one.
 """
 import socket
+import sys
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import harness
+import rank_server
 from harness import RankError, layout_results, run_layouts, run_ranks
 
 
@@ -113,6 +115,17 @@ def test_ranks_can_return_many_tensors():
         assert len(out) == 500
         assert all(torch.equal(t, torch.full((256,), float(rank * 1000 + i)))
                    for i, t in enumerate(out.values()))
+
+
+def not_imported(names):
+    return [name for name in names if name not in sys.modules]
+
+
+def test_ranks_start_with_the_project_imported():
+    """The rank server imported the eight trainers, and so the project, before it forked the ranks: a rank
+    does not compile them again (rank_server.py). This file imports none of them."""
+    assert not_imported(rank_server.TRAINERS) == rank_server.TRAINERS   # not even this process
+    assert run_ranks(not_imported, world_size=2, args=(rank_server.TRAINERS,), timeout=60) == [[], []]
 
 
 def layout(kind):
