@@ -7,6 +7,7 @@ The arithmetic is planner.py's; this file only lays it out.
     python 08_5d_combined/planner.py --preset 1b --seq-len 4096 --mbs 1 --grad-acc 16 --dp 4 --tp 2 --pp 2
 """
 
+import measured_links
 import planner
 import timeline
 
@@ -42,13 +43,23 @@ def print_plan(args, config, layout):
     if args.pp > 1:
         print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
               f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")
-    if args.peak_tflops and args.bw_intra and args.bw_inter:
-        bw = planner.bandwidths(layout, args.gpus_per_node, args.bw_intra * 1e9, args.bw_inter * 1e9)
+    links = dict(zip(("intra", "inter"), measured_links.links_of(args)))
+    where = planner.bandwidths(layout, args.gpus_per_node, "intra", "inter")
+    lacking = sorted({where[dim] for dim in measured_links.dimensions(layout) if links[where[dim]] is None})
+    if args.peak_tflops and any(links.values()) and not lacking:
+        bw = planner.bandwidths(layout, args.gpus_per_node, links["intra"], links["inter"])
         ratios = planner.overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
         print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
         for dim, r in ratios.items():
-            where = "intra" if bw[dim] == args.bw_intra * 1e9 else "inter"
-            print(f"  {dim:<8}{r:>10.3f}  ({where}-node){'  EXPOSED' if r > 1 else ''}")
+            print(f"  {dim:<8}{r:>10.3f}  ({where[dim]}-node){'  EXPOSED' if r > 1 else ''}")
+        if args.bandwidths:
+            print("bus bandwidth per dimension (measured at the largest size; --bw-intra/--bw-inter where "
+                  "the file lacks a scope):")
+            print("\n".join(measured_links.used(layout, where, bw)))
+            print(f"  measured by {measured_links.sources(*links.values())}")
+    elif args.bandwidths and lacking:
+        print(f"overlap ratios: the measurement has no {lacking[0]}-node groups, which this layout "
+              f"uses: give --bw-{lacking[0]} (GB/s) too")
     else:
         print("overlap ratios: give --peak-tflops, --bw-intra and --bw-inter (GB/s)")
     return mem, com

@@ -45,6 +45,7 @@ import mixed_precision
 import pipeline
 import schedules
 import layout_5d as layout_rules
+import measured_links
 
 # Each --precision is the layout a trainer holds (01's mixed_precision.py, whose table gives the weights,
 # gradients, optimizer bytes per parameter): "mixed" = --dtype bfloat16 --precision-layout bf16-16 (bf16
@@ -241,11 +242,13 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
 
 
 def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -> dict:
-    """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one."""
+    """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one.
+    `intra`, `inter`: bytes/s, or each collective's measured figure (measured_links.py)."""
     span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.pp}
     span["dp"] = span["zero3"] = span["pp"] * layout.dp                       # ZeRO-3 gathers in the dp group
     span["ep"] = span["pp"] * layout.ep                                      # ep: consecutive dp ranks
-    return {dim: intra if s <= gpus_per_node else inter for dim, s in span.items()}
+    return {dim: measured_links.link(intra if s <= gpus_per_node else inter, layout, dim)
+            for dim, s in span.items()}
 
 
 def build_parser():
@@ -253,8 +256,7 @@ def build_parser():
     g = p.add_argument_group("planner")
     g.add_argument("--precision", choices=sorted(STATE_BYTES), default="mixed")
     g.add_argument("--gpu-mem", type=float, help="GB per device: flag stages that do not fit")
-    g.add_argument("--bw-intra", type=float, help="GB/s (bus bandwidth) inside a node")
-    g.add_argument("--bw-inter", type=float, help="GB/s (bus bandwidth) across nodes")
+    measured_links.add_arguments(g)                   # --bw-intra, --bw-inter, --bandwidths FILE
     g.add_argument("--gpus-per-node", type=int, default=8)
     import search                                    # --search: search.py chooses the layout
     search.add_arguments(p)

@@ -13,6 +13,7 @@ New compared with planner.py's table: the reasons, in the words of the rules tha
 import math
 
 import cli_checks
+import measured_links
 import search
 import step_time
 import planner
@@ -153,8 +154,12 @@ def main(args, parser):
           f"ffn {config.intermediate_size}, vocab {config.vocab_size}; {args.precision} precision")
     print(f"cluster: {cluster.gpus} × {args.gpu}, {cluster.per_node} per node: {cluster.peak / 1e12:g} "
           f"TFLOP/s, {cluster.memory / 1e9 + args.mem_reserve:g} GB ({cluster.memory / 1e9:g} usable), HBM "
-          f"{cluster.hbm / 1e12:g} TB/s,\n         links per GPU {cluster.intra / 1e9:g} GB/s in a node, "
-          f"{cluster.inter / 1e9:g} GB/s across (the {args.gpu} datasheet's unless flags say)")
+          f"{cluster.hbm / 1e12:g} TB/s,\n         links per GPU "
+          + (f"{cluster.intra / 1e9:g} GB/s in a node, {cluster.inter / 1e9:g} GB/s across (the {args.gpu} "
+             f"datasheet's unless flags say)" if not args.bandwidths else
+             f"(bus bandwidth)\n           in a node: {measured_links.describe(cluster.intra)}\n"
+             f"           across nodes: {measured_links.describe(cluster.inter)}\n           measured by "
+             f"{measured_links.sources(cluster.intra, cluster.inter)}"))
     print(f"assumed MFU {cluster.mfu:.0%} of peak on every FLOP executed (--mfu)")
     print(f"global batch {batch} × {args.seq_len} = {batch * args.seq_len:,} tokens; "
           f"{flops * batch * args.seq_len:.3g} model FLOPs per step (6·N·tokens + attention)")

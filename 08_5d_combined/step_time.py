@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import timeline
 import planner
+import measured_links
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Cluster:
     peak: float             # FLOP/s per GPU
     memory: float           # bytes a rank may fill (GPU memory − reserve)
     hbm: float              # bytes/s
-    intra: float            # bytes/s per GPU inside a node
+    intra: float            # bytes/s per GPU inside a node (measured_links.Measured: per collective)
     inter: float            # bytes/s per GPU across nodes
     mfu: float
 
@@ -53,10 +54,10 @@ class Cluster:
 def cluster_of(args) -> Cluster:
     gpu = GPUS[args.gpu]
     pick = lambda flag, default: default if flag is None else flag                  # noqa: E731
+    intra, inter = measured_links.links_of(args, gpu.nvlink_gbps * 1e9, gpu.network_gbps * 1e9)
     return Cluster(args.gpus, args.gpus_per_node, pick(args.peak_tflops, gpu.peak_tflops) * 1e12,
                    (pick(args.gpu_mem, gpu.memory_gb) - args.mem_reserve) * 1e9,
-                   pick(args.hbm_tbps, gpu.hbm_tbps) * 1e12, pick(args.bw_intra, gpu.nvlink_gbps) * 1e9,
-                   pick(args.bw_inter, gpu.network_gbps) * 1e9, args.mfu)
+                   pick(args.hbm_tbps, gpu.hbm_tbps) * 1e12, intra, inter, args.mfu)
 
 
 def layer_flops(config, seq_len: int, recompute: str, num_experts: int = 0, top_k: int = 1):

@@ -36,18 +36,21 @@ def documented_command() -> list:
     return shlex.split(" ".join(command))
 
 
-def stand_ins(tmp_path, srun_waits: bool = False) -> dict:
+def stand_ins(tmp_path, srun_waits: bool = False, srun_runs: bool = False) -> dict:
     """The environment of a 2-node job whose `srun` and `scontrol` are the stand-ins, in tmp_path/bin. The
-    waiting srun stays until a SIGTERM, which it records, then exits 1 (as torchrun does when signalled)."""
+    waiting srun stays until a SIGTERM, which it records, then exits 1 (as torchrun does when signalled).
+    `srun_runs`: srun runs its command (08's sweep test), on this host, which scontrol names first."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     hosts = "".join(f"gpu-node-{i:02d}\\n" for i in range(7, 7 + 2000))   # long: a reader that stops early
+    hosts = "127.0.0.1\\n" * srun_runs + hosts
     (bin_dir / "scontrol").write_text("#!/bin/bash\n"
                                       f"[ \"$1\" = requeue ] && echo \"$@\" > {tmp_path}/requeued && exit 0\n"
                                       f"printf '{hosts}'\n")      # would SIGPIPE it
     trap = f"trap 'echo TERM > {tmp_path}/srun.signal; kill $!; exit 1' TERM\n" if srun_waits else ""
     (bin_dir / "srun").write_text(f"#!/bin/bash\n{trap}printf '%s\\n' \"$@\" > {tmp_path}/srun.args\n"
-                                  + ("sleep 60 & wait $!\n" if srun_waits else ""))
+                                  + ("sleep 60 & wait $!\n" if srun_waits else "")
+                                  + ('shift\nexec "$@"\n' if srun_runs else ""))
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu-node-[07-08]",
