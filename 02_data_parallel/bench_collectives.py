@@ -167,11 +167,11 @@ def measure(args, grid, device) -> list:
         print0(f"\n{scope}-node: {at_once} group(s) of {n} rank(s) at once, {common['backend']}, "
                f"{args.dtype}, median of {args.iters} iterations ({clock})"
                + ("; n = 1: nothing crosses a link, busbw is zero by definition" if n == 1 else ""))
-        print0(f"{'collective':<16}{'place':<6}{'bytes':>12}{'time us':>12}{'algbw GB/s':>12}"
-               f"{'busbw GB/s':>12}  check")
+        print0(f"{'place':<6}{'collective':<16}{'bytes':>12}{'time':>14}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+               f"  check")
         for collective in args.collectives:
             if collective == "send_recv" and n == 1:
-                print0(f"{collective:<16}-     (no peer in a group of one rank)")
+                print0(f"-     {collective:<16}(no peer in a group of one rank)")
                 continue
             for place in [p for p in PLACES[collective] if p in args.place]:
                 for size in sizes(args):
@@ -185,8 +185,8 @@ def measure(args, grid, device) -> list:
                                   correct=correct, **common)
                     records.append(record)
                     verdict = "ok" if correct else "WRONG"
-                    print0(f"{collective:<16}{place:<6}{nbytes:>12}{seconds * 1e6:>12.1f}"
-                           f"{record['algbw']:>12.3f}{record['busbw']:>12.3f}  {verdict}")
+                    print0(f"{place:<6}{collective:<16}{nbytes:>12}{seconds:>12.6f} s{record['algbw']:>12.3f}"
+                           f"{record['busbw']:>12.3f}  {verdict}")
                     del run, expected, result
     return records
 

@@ -1,10 +1,10 @@
 """What sweep.py prints at the end: the rows sorted by measured speed with the planner's rank beside them, how
 far the planner's step time is off, and OUT/sweep.png (measured against predicted step time).
 
-Reading the table: `#` is the measured order (tokens/s, fastest first), `plan #` the planner's order of the
-same rows; `error` is (predicted − measured) / measured step time. `comm s` is the median over the ranks of
-the seconds per step each spent blocked in communication (sweep_rank.py: exposed communication and waiting
-for slower peers, the bubble included), beside the planner's exposed communication (`plan comm`).
+Reading the table: the first `#` is the measured order (tokens/s, fastest first), the second the planner's
+order of the same rows; `error` is (predicted − measured) / measured step time. `comm` is the median over
+the ranks of the seconds per step each spent blocked in communication (sweep_rank.py: exposed communication
+and waiting for slower peers, the bubble included), beside the planner's exposed communication (`plan comm`).
 Rows that did not run to the end come last, with their outcome and the line that says why.
 
     python 08_5d_combined/sweep.py --collect --out sweep ...     # the table again, from OUT/rows.jsonl
@@ -13,32 +13,32 @@ import statistics
 from pathlib import Path
 
 
-def label(layout: dict) -> str:
-    """A row's layout in a few words: its degrees above 1, SP, ZeRO, recomputation, schedule, mbs × m."""
+def label(record: dict) -> str:
+    """A row in a few words: degrees above 1, SP, ZeRO, recomputation, schedule, mbs × m, its own flags."""
+    layout, flags = record["layout"], record["flags"]
+    extra = flags[flags.index(f"--grad-acc={layout['m']}") + 1:]          # the row's own trainer flags
     parts = [f"{d}{layout[d]}" for d in ("dp", "tp", "pp", "cp", "ep") if layout[d] > 1] or ["dp1"]
     parts += ["sp"] * bool(layout["sp"]) + [f"zero{layout['zero_stage']}"] * bool(layout["zero_stage"])
     parts += [layout["recompute"]] * (layout["recompute"] != "none")
     if layout["pp"] > 1:
         parts.append(layout["schedule"] + (f"-v{layout['chunks']}" if layout["chunks"] > 1 else ""))
-    return " ".join(parts) + f" mbs{layout['mbs']}×{layout['m']}"
+    return " ".join(parts + [f"mbs{layout['mbs']}×{layout['m']}", *extra])
 
 
 def table(records: list) -> list:
     """The lines of the table; `records` sorted fastest first, the rows that did not finish last."""
-    lines = [f"{'#':>3}  {'layout':<34}{'tokens/s':>9}{'step s':>8}{'MFU':>6}{'mem GB':>7}{'comm s':>8}"
-             f" |{'plan s':>8}{'plan #':>7}{'error':>8}{'plan comm':>10}  outcome"]
+    width = max([len(label(r)) for r in records] + [12]) + 1
+    lines = [f"{'layout':<{width}}{'#':>3}{'speed':>12}{'step':>9}{'MFU':>6}{'mem GB':>7}{'comm':>8} |"
+             f"{'plan step':>10}{'#':>3}{'error':>6}{'plan comm':>10}  outcome"]
     for k, r in enumerate(records, 1):
-        p = r["predicted"]
-        mem = max((m for m in r["peak_memory"] if m), default=None)
-        measured = (f"{r['tokens_per_s']:>9.0f}{r['step_s']:>8.3f}" + (f"{r['mfu']:>6.1%}" if r["mfu"] else
-                                                                         f"{'-':>6}")
-                    + (f"{mem / 1e9:>7.2f}" if mem else f"{'-':>7}")
-                    + (f"{statistics.median(r['comm_s']):>8.3f}" if r["comm_s"] else f"{'-':>8}")
-                    if r["outcome"] == "ok" else f"{'':>38}")
-        error = f"{(p['step_s'] - r['step_s']) / r['step_s']:>+8.0%}" if r["outcome"] == "ok" else f"{'':>8}"
-        lines.append(f"{k if r['outcome'] == 'ok' else '-':>3}  {label(r['layout']):<34}{measured} |"
-                     f"{p['step_s']:>8.3f}{p['rank']:>7}{error}{p['comm_s']:>10.3f}  {r['outcome']}"
-                     + (f": {r['cause']}" if r["cause"] else ""))
+        p, ok = r["predicted"], r["outcome"] == "ok"
+        mem = max((m for m in r["peak_memory"] if m), default=0)
+        mfu = f"{r['mfu']:>6.1%}" if ok and r["mfu"] else f"{'-':>6}"
+        measured = (f"{k:>3}{r['tokens_per_s']:>6.0f} tok/s{r['step_s']:>7.3f} s{mfu}{mem / 1e9:>7.2f}"
+                    f"{statistics.median(r['comm_s'] or [0]):>6.3f} s" if ok else f"{'-':>3}{'':>42}")
+        error = f"{(p['step_s'] - r['step_s']) / r['step_s']:>+6.0%}" if ok else f"{'':>6}"
+        lines.append(f"{label(r):<{width}}{measured} |{p['step_s']:>8.3f} s{p['rank']:>3}{error}"
+                     f"{p['comm_s']:>8.3f} s  {r['outcome']}" + (f": {r['cause']}" if r["cause"] else ""))
     return lines
 
 
@@ -49,21 +49,24 @@ def summary(records: list) -> list:
         return ["no row ran to the end"]
     best = ran[0]
     chosen = next((r for r in records if r["predicted"]["rank"] == 1), None)
-    lines = [f"measured fastest: {label(best['layout'])}, {best['tokens_per_s']:.0f} tokens/s; the planner "
-             f"ranked it #{best['predicted']['rank']}"]
+    lines = [f"measured fastest: {label(best)}, {best['tokens_per_s']:.0f} tok/s ({best['step_s']:.3f} s a "
+             f"step); the planner ranked it #{best['predicted']['rank']}"]
     if chosen is best:
         lines.append("the planner's fastest is the measured fastest")
     elif chosen is None:
         lines.append("the planner's fastest has no record yet")
     elif chosen["outcome"] == "ok":
-        lines.append(f"the planner's fastest, {label(chosen['layout'])}, ran #{ran.index(chosen) + 1}: its "
-                     f"step took {chosen['step_s'] / best['step_s']:.2f}× the fastest's")
+        lines.append(f"the planner's fastest, {label(chosen)}, ran #{ran.index(chosen) + 1}: "
+                     f"{chosen['step_s']:.3f} s a step, {chosen['step_s'] / best['step_s']:.2f}× the "
+                     f"fastest's")
     else:
-        lines.append(f"the planner's fastest, {label(chosen['layout'])}, did not run: {chosen['outcome']}")
-    errors = sorted((r["predicted"]["step_s"] - r["step_s"]) / r["step_s"] for r in ran)
+        lines.append(f"the planner's fastest, {label(chosen)}, did not run: {chosen['outcome']}")
+    errors = sorted(((r["predicted"]["step_s"] - r["step_s"]) / r["step_s"], r) for r in ran)
+    middle = errors[len(errors) // 2][1]
     lines.append(f"the planner's step time against the measured one: median error "
-                 f"{statistics.median(errors):+.0%} (from {errors[0]:+.0%} to {errors[-1]:+.0%}) over the "
-                 f"{len(ran)} rows that ran")
+                 f"{errors[len(errors) // 2][0]:+.0%} ({middle['predicted']['step_s']:.3f} s predicted, "
+                 f"{middle['step_s']:.3f} s measured: {label(middle)}), from {errors[0][0]:+.0%} to "
+                 f"{errors[-1][0]:+.0%} over the {len(ran)} rows that ran")
     left = sum(r["left_running"] for r in records)
     lines.append(f"processes left running after their row: {left}" + (" (killed)" if left else ""))
     return lines
