@@ -106,12 +106,18 @@ def parse_row(spec: str, base: planner.Layout, batch: int) -> Row:
     return Row(layout, mbs, m, tuple(words[1:]))
 
 
-def prediction(config, row: Row, args, cluster, rank: int) -> dict:
-    """step_time.estimate's step time and its parts for the row (seconds), its memory, and its rank."""
+def estimate(config, row: Row, args, cluster):
+    """step_time's plan of the row: its step time and parts (seconds), and its memory."""
     memory = step_time.peak_memory(config, row.layout, args.seq_len, row.mbs, row.m)
-    plan = step_time.estimate(config, row.layout, args.seq_len, row.mbs, row.m, cluster, memory)
-    return dict(step_s=plan.times["step"], compute_s=plan.times["compute"], bubble=plan.bubble, memory=memory,
-                comm_s=sum(plan.times[d] for d in ("tp", "cp", "pp", "ep", "dp")), rank=rank)
+    return step_time.estimate(config, row.layout, args.seq_len, row.mbs, row.m, cluster, memory)
+
+
+def prediction(plan, rank: int) -> dict:
+    """What a record keeps of the planner's plan: the step time, its compute and exposed communication, the
+    bubble, the memory, and its rank among the rows (search.rank's order: within 1% the rules decide)."""
+    exposed = sum(plan.times[d] for d in ("tp", "cp", "pp", "ep", "dp"))
+    return dict(step_s=plan.times["step"], compute_s=plan.times["compute"], bubble=plan.bubble,
+                memory=plan.memory, comm_s=exposed, rank=rank)
 
 
 def rows_and_predictions(sweep, args_of, parser) -> list:
@@ -122,8 +128,8 @@ def rows_and_predictions(sweep, args_of, parser) -> list:
     if sweep.search:
         plans = search.search(args, config, cluster, batch)[0][:args.top]
         rows = [Row(plan.layout, plan.mbs, plan.m) for plan in plans]
-        return [(row, prediction(config, row, args, cluster, k)) for k, row in enumerate(rows, 1)]
-    rows, predicted = [], []
+        return [(row, prediction(estimate(config, row, args, cluster), k)) for k, row in enumerate(rows, 1)]
+    rows, plans = [], []
     for spec in sweep.layouts:
         try:
             args = args_of(shlex.split(spec)[1:])
@@ -141,9 +147,9 @@ def rows_and_predictions(sweep, args_of, parser) -> list:
         if lay.dp * lay.tp * lay.pp * lay.cp != sweep.world:
             parser.error(f"--layouts {spec!r}: dp·tp·pp·cp is not --world {sweep.world}")
         rows.append(row)
-        predicted.append(prediction(config, row, args, step_time.cluster_of(args), 0))
-    order = sorted(range(len(rows)), key=lambda k: predicted[k]["step_s"])
-    return [(row, {**p, "rank": order.index(k) + 1}) for k, (row, p) in enumerate(zip(rows, predicted))]
+        plans.append(estimate(config, row, args, step_time.cluster_of(args)))
+    order = [id(plan) for plan in search.rank(plans)]
+    return [(row, prediction(plan, order.index(id(plan)) + 1)) for row, plan in zip(rows, plans)]
 
 
 def build_parser():

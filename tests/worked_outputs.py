@@ -8,7 +8,7 @@ A worked output is a plain ``` block (no language) whose paragraph just above na
 backticks (`python ...` or `torchrun ...`, possibly over two lines). Its lines are the run's, in order:
 `…` stands for lines left out, and a line ending in ` …` was cut there. A line the run still prints is kept;
 one it no longer prints is replaced by the run's line with the same label (`step     N |`, or the same
-first 12 characters), cut at the same width. Timings (tok/s, seconds, wall-clock bubbles) are the
+first 12 characters), cut at the same width. Timings (tok/s, seconds, wall-clock bubbles, GB/s) are the
 machine's: `check` passes over them, `write` refreshes them with the lines around them. Runs on the CPU,
 from the repository root, one command after the other (a few minutes in all), so the suite does not run
 it: tests/test_worked_outputs.py checks that every block is found with a command.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = re.compile(r"tok/s|measured [\d.]+% \(wall clock\)|\d s\b|seconds")
+TIMING = re.compile(r"tok/s|measured [\d.]+% \(wall clock\)|\d s\b|seconds|GB/s")
 NOISE = ("W1", "[W", "*****", "Setting OMP_NUM_THREADS")   # torchrun's warnings, not the trainer's output
 
 
