@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,17 +52,15 @@ class ForkedJob:
 
     def __init__(self, world: int, probe_argv: list, log_path: Path):
         self.returncode = None
+        sys.stdout.flush()                        # else the children would print the sweep's buffer again
+        sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:                         # the leader
-            code = 1
-            try:
-                os.setsid()
-                log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                code = self._lead(world, probe_argv)
-            finally:
-                os._exit(code)
+            os.setsid()
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            exit_as(self._lead, world, probe_argv)
 
     @staticmethod
     def _lead(world: int, probe_argv: list) -> int:
@@ -78,11 +77,7 @@ class ForkedJob:
                                   OMP_NUM_THREADS="1")
                 torch.set_num_threads(1)          # torchrun's default: one thread per worker
                 watchdog.exit_with_parent(signal.SIGKILL)
-                code = 1
-                try:
-                    code = sweep_rank.main(probe_argv)
-                finally:
-                    os._exit(code)
+                exit_as(sweep_rank.main, probe_argv)
             ranks[pid] = rank
         status = 0
         while ranks:
@@ -111,6 +106,22 @@ class ForkedJob:
                 raise subprocess.TimeoutExpired(f"row leader {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode
+
+
+def exit_as(main, *args):
+    """End this forked process with `main(*args)`'s status, as the interpreter would (SystemExit's code, 1
+    and the traceback for an exception), without running the sweep's code above it on the stack."""
+    code = 1
+    try:
+        code = main(*args)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
 
 
 def start(launcher: str, world: int, probe_argv: list, log_path: Path):
