@@ -3,13 +3,13 @@
 The sweep runs real jobs of 08's trainer on the tiny model (gloo, 2 steps each). At world 4, forked ranks
 (--launcher fork: the imports once, ~0.5 CPU-s a row): dp, tp, pp, cp, ep and ZeRO-1 must run to the end
 with their speed, memory and communication per rank; a row whose model cannot fit the rank's memory cap
-(--memory-limit-gb: a 2,000,000-token vocabulary, 0.5 GB per matrix) must end as out of memory with its
-allocator's line; a row whose checkpoint folder holds a named pipe nobody writes (a read that never
-returns, as on a hung file system) must end at --stall-s as timed out. Afterwards no process of the sweep
-may be left, and a rerun must skip every recorded row. The Slurm path: sbatch jobs emitted from
-train.sbatch, one of them run by bash with test_cluster_launch's stand-ins (srun runs its command:
-torchrun, world 2), then --collect records it and leaves the one not run pending. The planner reads
-bench_collectives.py's records: each dimension's bytes at its collectives' bus bandwidth.
+(--memory-limit-gb 1.5; a 20,000,000-token vocabulary: 2.56 GB a matrix, so its first allocation fails)
+must end as out of memory with its allocator's line; a row whose checkpoint folder holds a named pipe
+nobody writes (a read that never returns, as on a hung file system) must end at --stall-s as timed out.
+Afterwards no process of the sweep may be left, and a rerun must skip every recorded row. The Slurm
+path: sbatch jobs emitted from train.sbatch, one of them run by bash with test_cluster_launch's stand-ins
+(srun runs its command: torchrun, world 1), then --collect records it and leaves the one not run pending.
+The planner reads bench_collectives.py's records: each dimension's bytes at its collectives' bus bandwidth.
 """
 import json
 import os
@@ -57,7 +57,7 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     os.mkfifo(stuck / "manifest.json")                        # --resume reads it: open() waits for a writer
     out = tmp_path / "sweep"
     rows = ["dp=4", "tp=2,dp=2", "pp=2,dp=2", "cp=2,dp=2", "dp=4,ep=2 --num-experts 4", "dp=4,zero=1",
-            "dp=4 --vocab-size 2000000", f"tp=2,dp=2 --checkpoint-dir {stuck.parent} --resume"]
+            "dp=4 --vocab-size 20000000", f"tp=2,dp=2 --checkpoint-dir {stuck.parent} --resume"]
     argv = ["--world", "4", "--global-batch", "8", "--layouts", *rows, "--out", str(out), "--launcher",
             "fork", "--steps", "2", "--stall-s", "6", "--memory-limit-gb", "1.5", "--gpus-per-node", "4",
             *PLANNER, "--", *MODEL]
@@ -92,15 +92,16 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's rendezvous on this host")
 def test_slurm_jobs_from_the_template_run_and_are_collected(tmp_path, capsys):
     """`--slurm` writes train.sbatch per row (the header set for the row, no requeue); run under bash with the
-    stand-ins, srun starting torchrun for real (2 ranks, this host); `--collect` records the row that ran."""
+    stand-ins, srun starting torchrun for real (one rank on this host: a world of one, as on one GPU);
+    `--collect` records the row that ran and leaves the other for a later --collect."""
     out = tmp_path / "sweep"
-    argv = ["--world", "2", "--gpus-per-node", "2", "--global-batch", "4", "--layouts", "dp=2", "tp=2",
+    argv = ["--world", "1", "--gpus-per-node", "1", "--global-batch", "4", "--layouts", "mbs=2,m=2", "mbs=4",
             "--out", str(out), "--steps", "2", "--limit-s", "120", *PLANNER, "--", *MODEL]
     scripts = sweep.main(["--slurm", *argv])
-    assert [p.stem for p in scripts] == ["dp2-tp1-pp1-cp1-ep1-zero0-none-1f1b1-mbs2-m1",
-                                         "dp1-tp2-pp1-cp1-ep1-zero0-none-1f1b1-mbs4-m1"]
+    assert [p.stem for p in scripts] == ["dp1-tp1-pp1-cp1-ep1-zero0-none-1f1b1-mbs2-m2",
+                                         "dp1-tp1-pp1-cp1-ep1-zero0-none-1f1b1-mbs4-m1"]
     text = scripts[0].read_text()
-    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=2" in text
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=1" in text
     assert "#SBATCH --requeue" not in text and "#SBATCH --signal" not in text
     assert "#SBATCH --time=00:02:00" in text and "TRAINER=08_5d_combined/sweep_rank.py" in text
     env = stand_ins(tmp_path, srun_runs=True)
@@ -115,7 +116,7 @@ def test_slurm_jobs_from_the_template_run_and_are_collected(tmp_path, capsys):
     assert job.returncode == 0, (row / "slurm-4242.out").read_text()[-3000:]
     collected = sweep.main(["--collect", *argv])
     assert [(r["row"], r["outcome"]) for r in collected] == [(scripts[0].stem, "ok")]
-    assert collected[0]["steps"] == 2 and len(collected[0]["comm_s"]) == 2
+    assert collected[0]["steps"] == 2 and len(collected[0]["comm_s"]) == len(collected[0]["peak_memory"]) == 1
     assert "has no record yet" not in capsys.readouterr().out or collected[0]["predicted"]["rank"] != 1
 
 
