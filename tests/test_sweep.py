@@ -59,7 +59,7 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     rows = ["dp=4", "tp=2,dp=2", "pp=2,dp=2", "cp=2,dp=2", "dp=4,ep=2 --num-experts 4", "dp=4,zero=1",
             "dp=4 --vocab-size 20000000", f"tp=2,dp=2 --checkpoint-dir {stuck.parent} --resume"]
     argv = ["--world", "4", "--global-batch", "8", "--layouts", *rows, "--out", str(out), "--launcher",
-            "fork", "--steps", "2", "--stall-s", "6", "--memory-limit-gb", "1.5", "--gpus-per-node", "4",
+            "fork", "--steps", "2", "--stall-s", "8", "--memory-limit-gb", "1.5", "--gpus-per-node", "4",
             *PLANNER, "--", *MODEL]
     done = subprocess.run([sys.executable, "08_5d_combined/sweep.py", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=240)
@@ -73,7 +73,7 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
         assert len(r["comm_s"]) == 4 and all(s > 0 for s in r["comm_s"])      # every rank communicated
         assert r["predicted"]["step_s"] > 0 and r["left_running"] == 0
     assert "can't allocate memory" in records[6]["cause"] and records[6]["exit"] != 0
-    assert records[7]["cause"].startswith("no output for 6 s (--stall-s)") and records[7]["exit"] is None
+    assert records[7]["cause"].startswith("no output for 8 s (--stall-s)") and records[7]["exit"] is None
     ranks = [json.loads(p.read_text()) for p in (out / records[7]["row"]).glob("rank*.json")]
     assert len(ranks) == 4 and all(r["status"] is None for r in ranks)    # they started, and never ended
     assert {r["predicted"]["rank"] for r in records} == set(range(1, 9))
