@@ -39,12 +39,16 @@ class CPLayout:
     cp_size: int
 
     @property
+    def zigzag(self) -> bool:        # one cp rank holds the whole sequence: a single chunk, any length
+        return self.kind == "zigzag" and self.cp_size > 1
+
+    @property
     def num_chunks(self):
-        return self.cp_size * (2 if self.kind == "zigzag" else 1)
+        return self.cp_size * (2 if self.zigzag else 1)
 
     def chunk_ids(self, rank):
         """Which equal chunks of the sequence rank `rank` holds, in order."""
-        return (rank, 2 * self.cp_size - 1 - rank) if self.kind == "zigzag" else (rank,)
+        return (rank, 2 * self.cp_size - 1 - rank) if self.zigzag else (rank,)
 
     def positions(self, rank, seq_len, device=None):
         """(T/cp,) positions of rank's tokens: index its inputs/labels and its RoPE angles."""

@@ -278,6 +278,8 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             parser.error(f"--{name.replace('_', '-')} must be a positive finite number, got {value}")
+    if args.gpus_per_node < 1:                    # else every group would count as crossing nodes
+        parser.error(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     if args.search:
         import search_report
         return search_report.main(args, parser)

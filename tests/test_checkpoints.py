@@ -86,15 +86,17 @@ def test_manifest_lists_every_file_with_its_size_and_sha256(tmp_path):
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys, damage, problem):
     """A newest checkpoint with 4 KB of its weights overwritten (or its tail cut off) is skipped with a
     warning naming the file; the run resumes from the one before and reproduces the uninterrupted run
-    exactly. (Before manifests the corrupt file loaded silently: NaN weights, exit status 0.)"""
+    exactly, after saying which checkpoint and step it continues from. (Before manifests the corrupt file
+    loaded silently: NaN weights, exit status 0.)"""
     full, full_state = run_01(steps=6)
     ckpt = tmp_path / "c"
     run_01("--checkpoint-dir", ckpt, "--checkpoint-every", 3, steps=6)
     damage(ckpt / "step_000006" / "rank_00000.safetensors")
     capsys.readouterr()
     resumed, state = run_01("--checkpoint-dir", ckpt, "--resume", steps=6)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert re.search(r"step_000006 is unusable \(" + problem, err) and "resuming from step 3" in err, err
+    assert f"resumed from {ckpt}/step_000003: step 3 done, training steps 4-6" in out, out
     assert resumed == full[3:]
     for name in full_state:
         assert torch.equal(state[name], full_state[name]), name

@@ -20,6 +20,9 @@ import uuid
 import torch
 
 import cli_checks as checks
+import data
+import hf_io
+import model as modeling
 import watchdog
 
 SHAPE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -41,8 +44,16 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
           "float16": torch.float16}
 
 
+# The earliest folder whose trainer has the flag (08 has all but 03's --offload), named where one lacks it
+FLAG_OWNERS = {"--dp": "02_data_parallel", "--zero-stage": "03_zero", "--offload": "03_zero",
+               "--tp": "04_tensor_parallel", "--sp": "05_sequence_context_parallel",
+               "--cp": "05_sequence_context_parallel", "--pp": "06_pipeline", "--ep": "07_expert_parallel",
+               "--num-experts": "07_expert_parallel"}
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with one-line errors (`fail`: no usage block), suggesting a flag for a typo."""
+    """argparse's parser with one-line errors (`fail`: no usage block), suggesting a flag for a typo, or the
+    folder whose trainer has it."""
 
     def error(self, message):
         fail(f"{self.prog}: error: {message}")
@@ -51,11 +62,21 @@ class ArgumentParser(argparse.ArgumentParser):
         args, extras = self.parse_known_args(args, namespace)
         if extras:
             flags = [option for action in self._actions for option in action.option_strings]
-            typo = next((e for e in extras if e.startswith("--")), "")
-            close = difflib.get_close_matches(typo.split("=")[0], flags, n=1)
-            self.error(f"unrecognized arguments: {' '.join(extras)} "
-                       + (f"(did you mean {close[0]}?)" if close else "(see --help)"))
+            typo = next((e.split("=")[0] for e in extras if e.startswith("--")), "")
+            close = difflib.get_close_matches(typo, flags, n=1)
+            hint = (f"(a flag of {FLAG_OWNERS[typo]}/train.py: run {FLAG_OWNERS[typo]}/train.py "
+                    f"{' '.join(extras)})" if typo in FLAG_OWNERS else
+                    f"(did you mean {close[0]}?)" if close else "(see --help)")
+            self.error(f"unrecognized arguments: {' '.join(extras)} {hint}")
         return args
+
+
+def seed(text: str) -> int:
+    """--seed's type: 32 bits, as torch's generators and the samplers' seed·stride + index arithmetic take."""
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {2**32 - 1}, got {value}")
+    return value
 
 
 def fail(line: str, status: int = 2):
@@ -130,7 +151,7 @@ def schedule_flags(g):
     g.add_argument("--weight-decay", type=float, default=0.1,
                    help="AdamW's decoupled decay of the matrices and embeddings; norm gains are not decayed")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    g.add_argument("--seed", type=int, default=1234, help="the initialisation and the data order")
+    g.add_argument("--seed", type=seed, default=1234, help="the initialisation and the data order")
 
 
 def speed_flags(g):
@@ -243,6 +264,8 @@ def completed(given: argparse.Namespace) -> argparse.Namespace:
                          f"each key/value head serves a group of query heads; pass at most {args.num_heads}")
     # a preset's kv heads with fewer explicit heads: one per query head
     kv_heads = min(args.num_kv_heads, args.num_heads)
+    if not args.init_from:                         # --init-from's config.json gives the shape instead
+        checks.check_heads(args.hidden_size, args.num_heads, kv_heads)
     # no held-out split: training reads the whole dataset (--resume compares it)
     return with_values(args, num_kv_heads=kv_heads, eval_batches=args.eval_batches if args.eval_every else 0)
 
@@ -261,7 +284,6 @@ def setup(parser, argv=None, check_layout=None):
     the fix.
     """
     args = parse_args(parser, argv)
-    import data
     try:
         tokenizer = data.load_tokenizer(args.tokenizer)
         config = model_config(args, tokenizer.vocab_size)
@@ -282,20 +304,19 @@ def setup(parser, argv=None, check_layout=None):
 
 def model_config(args, tokenizer_vocab: int):
     """The LlamaConfig the flags describe (or the one stored with --init-from)."""
-    import model as model_mod
-    import hf_io
     if args.init_from:
-        config = hf_io.config_from_hf(args.init_from, model_mod.LlamaConfig)
+        config = hf_io.config_from_hf(args.init_from, modeling.LlamaConfig)
     else:
         vocab = args.vocab_size or -(-tokenizer_vocab // 64) * 64
         rope = {k: v for k, v in PRESETS[args.preset].items() if k in ROPE}
-        config = model_mod.LlamaConfig(
+        config = modeling.LlamaConfig(
             vocab_size=vocab, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
             num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
             num_key_value_heads=args.num_kv_heads, tie_word_embeddings=args.tie_embeddings,
             **{**rope,
                "max_position_embeddings": max(rope.get("max_position_embeddings", 4096), args.seq_len)})
-    if config.vocab_size < tokenizer_vocab:
+    # synthetic ids are drawn from the model's own vocabulary: no tokenizer's ids have to fit in it
+    if config.vocab_size < tokenizer_vocab and args.dataset != data.SYNTHETIC:
         raise ValueError(f"vocab_size={config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: "
                          f"pass --vocab-size {tokenizer_vocab} or more")
     return config

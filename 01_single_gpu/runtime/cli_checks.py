@@ -21,6 +21,9 @@ import model as modeling
 import sources
 
 
+YEAR_S = 365 * 24 * 3600
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -38,6 +41,8 @@ def check_values(args):
     for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(args, name)}")
+    if args.timeout_s > YEAR_S:        # the process group's timeout is a C++ duration: 1e300 s overflows it
+        raise ValueError(f"--timeout-s must be at most {YEAR_S} (a year), got {args.timeout_s:g}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise ValueError(f"--weight-decay must be 0 or more (a finite number), got {args.weight_decay}")
     if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
@@ -66,6 +71,23 @@ def check_values(args):
         raise ValueError("--compile does not take the mixture-of-experts layer: its routing sizes depend on "
                          "the data (graph breaks, a recompile per batch, ranks stalled in collectives): drop "
                          "--compile")
+
+
+def check_heads(hidden: int, heads: int, kv_heads: int):
+    """The heads split the width into even head dims, the kv heads the heads into whole groups (model.py's
+    rules for a config.json, here in the flags' words)."""
+    if hidden % heads:
+        raise ValueError(f"--num-heads {heads} does not divide --hidden-size {hidden}: pass a --hidden-size "
+                         f"that is a multiple of {heads} (e.g. {max(hidden // heads, 1) * heads}), or other "
+                         f"--num-heads")
+    if heads % kv_heads:
+        raise ValueError(f"--num-kv-heads {kv_heads} does not divide --num-heads {heads}: pass a divisor of "
+                         f"{heads}, such as {math.gcd(heads, kv_heads)} (grouped-query attention needs whole "
+                         f"groups)")
+    if hidden // heads % 2:
+        raise ValueError(f"--hidden-size {hidden} / --num-heads {heads} gives head_dim {hidden // heads}, "
+                         f"and head_dim {hidden // heads} must be even for rotary embeddings: pass another "
+                         f"--hidden-size or --num-heads")
 
 
 def check_triton(kernels: str, attn: str):

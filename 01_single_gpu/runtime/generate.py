@@ -105,7 +105,7 @@ def load(checkpoint_dir=None, hf_dir=None, tokenizer=None, step=None):
         model = modeling.LlamaForCausalLM(config)
         model.load_state_dict(state)
         return model.eval(), tokenizer or manifest["args"].get("tokenizer", "bytes")
-    hf_io.check_hf_dir(hf_dir, modeling.LlamaConfig, modeling.LlamaForCausalLM)
+    hf_io.check_hf_dir(hf_dir, modeling.LlamaConfig, modeling.LlamaForCausalLM, "--hf-dir")
     model = modeling.LlamaForCausalLM(hf_io.config_from_hf(hf_dir, modeling.LlamaConfig))
     hf_io.load_hf_into(model, hf_dir)
     has_tokenizer = any((Path(hf_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -124,7 +124,7 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix every token")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
     if (not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 0
@@ -141,6 +141,10 @@ def main(argv=None):
     ids = torch.tensor([tokenizer.encode(args.prompt)], device=args.device)     # (1, T)
     if ids.shape[1] == 0:
         parser.error("--prompt is empty: give the model some text to continue")
+    if int(ids.max()) >= model.config.vocab_size:      # a --dataset synthetic model of a smaller vocabulary
+        vocab = model.config.vocab_size
+        parser.error(f"--prompt: its token id {int(ids.max())} is outside the model's vocabulary of {vocab} "
+                     f"ids: pass a prompt whose ids are below {vocab}")
     generator = torch.Generator(args.device).manual_seed(args.seed)
     out = generate(model.to(args.device), ids, args.max_new_tokens, args.temperature, args.top_k,
                    use_cache=not args.no_kv_cache, generator=generator, eos_token_id=tokenizer.eos_token_id)

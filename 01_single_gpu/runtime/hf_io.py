@@ -37,19 +37,27 @@ def config_from_hf(directory, config_cls):
     """The config of an HF directory's config.json; every problem is one ValueError naming the directory."""
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{directory}: no config.json in it")
+        raise ValueError(f"{directory}: no config.json in it: pass the folder save_pretrained (or "
+                         f"export_hf.py) wrote, config.json beside the safetensors")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON ({error})") from None
+        raise ValueError(f"{path} is not valid JSON ({error}): repair it, or save the model again with "
+                         f"save_pretrained") from None
     missing = [key for key in REQUIRED_KEYS if key not in raw]
+    kind = raw.get("model_type", "llama")
     if missing:
-        raise ValueError(f"{directory}: config.json lacks {', '.join(missing)}")
+        fix = (f"add {'it' if len(missing) == 1 else 'them'} (a Llama's config.json has them all)"
+               if kind == "llama" else f"it describes a {kind} model, not a Llama: pass a Llama's folder")
+        raise ValueError(f"{directory}: config.json lacks {', '.join(missing)}: {fix}")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ValueError(f"{directory}: attention/mlp biases are not part of this Llama model")
+        raise ValueError(f"{directory}: attention/mlp biases are not part of this Llama model: pass a Llama "
+                         f"without them")
     head_dim = raw.get("head_dim")
     if head_dim is not None and head_dim * raw["num_attention_heads"] != raw["hidden_size"]:
-        raise ValueError(f"{directory}: head_dim={head_dim} != hidden_size/num_heads; not supported")
+        raise ValueError(f"{directory}: head_dim={head_dim}, but hidden_size/num_attention_heads is "
+                         f"{raw['hidden_size'] / raw['num_attention_heads']:g}, the width of this model's "
+                         f"heads: pass a model whose head_dim is hidden_size/num_attention_heads")
     raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
     try:
         rope_theta, rope_scaling = rope_from_hf(raw)
@@ -67,7 +75,8 @@ def weight_files(directory) -> list:
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError) as error:
-            raise ValueError(f"{index} is not a safetensors index ({error!r})") from None
+            raise ValueError(f"{index} is not a safetensors index ({error!r}): save the model again with "
+                             f"save_pretrained") from None
     elif (directory / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -75,7 +84,8 @@ def weight_files(directory) -> list:
                          f"pass a folder saved with save_pretrained / save_hf")
     for name in files:
         if not (directory / name).is_file():
-            raise ValueError(f"{directory}: model.safetensors.index.json names {name}, which is not there")
+            raise ValueError(f"{directory}: model.safetensors.index.json names {name}, which is not there: "
+                             f"copy it into the folder")
     return files
 
 
@@ -96,14 +106,15 @@ def read_safetensors_header(path) -> dict:
             raise ValueError(f"its tensors end at byte {end}, the file has {size}: a torn copy")
         return {k: tuple(v["shape"]) for k, v in tensors.items()}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+        raise ValueError(f"{path} is not a readable safetensors file ({error}): copy it again, or save the "
+                         f"model again") from None
 
 
-def check_hf_dir(directory, config_cls, model_cls):
-    """--init-from before training: a folder whose config.json makes a config and whose weight files hold
-    exactly that model's tensors in their shapes (headers only: nothing is loaded)."""
+def check_hf_dir(directory, config_cls, model_cls, flag="--init-from"):
+    """--init-from (generate.py's --hf-dir) before loading: a folder whose config.json makes a config and
+    whose weight files hold exactly that model's tensors in their shapes (headers only: nothing is loaded)."""
     if not Path(directory).is_dir():
-        raise ValueError(f"--init-from {directory}: no such folder: pass a local folder with config.json and "
+        raise ValueError(f"{flag} {directory}: no such folder: pass a local folder with config.json and "
                          f"model.safetensors (a Hugging Face Llama)")
     config = config_from_hf(directory, config_cls)
     found = {}
@@ -116,12 +127,14 @@ def check_hf_dir(directory, config_cls, model_cls):
         found.pop("lm_head.weight", None)
     missing = expected.keys() - found.keys()
     unexpected = found.keys() - expected.keys() - {"model.rotary_emb.inv_freq"}
+    together = "pass a folder whose config.json and weights were saved together"
     if missing or unexpected:
         raise ValueError(f"{directory}: the weight files lack {sorted(missing)[:4]} and hold unexpected "
-                         f"{sorted(unexpected)[:4]}: they do not belong to its config.json")
+                         f"{sorted(unexpected)[:4]}: they do not belong to its config.json; {together}")
     for name, shape in expected.items():
         if found[name] != shape:
-            raise ValueError(f"{directory}: {name} has shape {found[name]}, config.json implies {shape}")
+            raise ValueError(f"{directory}: {name} has shape {found[name]}, config.json implies {shape}: the "
+                             f"weights belong to another config.json; {together}")
 
 
 def load_hf_state_dict(directory) -> dict:

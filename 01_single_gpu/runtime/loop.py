@@ -111,6 +111,9 @@ def resume(run: Run) -> int:
                                        run.args.resume_step)
     if hasattr(run.optimizer, "copy_masters_to_weights"):   # the checkpoint filled the fp32 masters
         run.optimizer.copy_masters_to_weights()
+    if run.is_logging_rank:
+        print(f"resumed from {run.args.checkpoint_dir}/step_{start:06d}: step {start} done, training steps "
+              f"{start + 1}-{run.args.steps}", flush=True)
     return start
 
 

@@ -43,6 +43,10 @@ def check_resume(args, directory, global_batch: int, world_size: int) -> checkpo
     saved = dict(manifest["args"])
     saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
     mine = {**vars(args), "lr_decay_steps": args.lr_decay_steps or saved["lr_decay_steps"]}
+    # the vocabulary the model has: an unset --vocab-size was the tokenizer's (compared as --tokenizer)
+    saved["vocab_size"] = manifest["config"]["vocab_size"]
+    if args.vocab_size is None and manifest["args"].get("vocab_size") is None:
+        mine["vocab_size"] = saved["vocab_size"]
     for name in sorted(mine.keys() & saved.keys() - FREE_FLAGS):
         if mine[name] != saved[name]:
             raise ValueError(f"--resume: --{name.replace('_', '-')} {mine[name]} differs from the "
