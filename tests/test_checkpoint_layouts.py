@@ -14,14 +14,21 @@ exported (export_hf.py) and transformers' Llama gives the project's logits (floa
 generate.py decodes the same greedy tokens from the checkpoint and from its export.
 """
 import json
+import shutil
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import common
 import export_hf
-from harness import run_ranks
+import hf_io
+import model as modeling
+import optim
+from harness import layout_results, run_layouts, run_ranks
+from test_preemption import tensors
 
 SCHEDULE = ["--lr-decay-steps", 4]
 
@@ -153,3 +160,59 @@ def test_experts_move_from_ep2_to_one_device(tmp_path, moe_reference):
                        for layer in range(4) for e in range(4) for proj, shape in projections}
     resumed = run("07_expert_parallel.train", ["--num-experts", 4], 1, 4, ckpt, resume=True)
     assert resumed == pytest.approx(moe_reference[2:], rel=1e-5)
+
+
+# A TP run begun from a Hugging Face directory resumes bit for bit, on fused AdamW. (Issue 32: a rank's slice
+# of a row-parallel weight was read as a strided view, which the resume could not write into, a traceback,
+# and on which AdamW fell back from its fused kernel.)
+FROM_HF = {"04-tp2": ("04_tensor_parallel.train", ["--tp", 2], "untied"),
+           "04-tp2-tied": ("04_tensor_parallel.train", ["--tp", 2], "tied"),
+           "05-tp2-sp": ("05_sequence_context_parallel.train", ["--tp", 2, "--sp"], "untied"),
+           "08-tp2-tied": ("08_5d_combined.train", ["--tp", 2], "tied")}
+
+
+def _from_hf_then_resumed(case, tmp):
+    """On both ranks: 4 steps from --init-from, saving steps 2 and 4 in folder a; then step 2 alone, copied
+    into folder b, resumed there to step 4. Returns both runs' losses and whether every parameter of each
+    was contiguous (optim.fused: AdamW's fused kernel)."""
+    module, flags, ties = FROM_HF[case]
+    a, b = Path(tmp) / case / "a", Path(tmp) / case / "b"
+
+    def run(folder, *extra):
+        out = import_module(module).main(common.argv(*flags, "--init-from", Path(tmp) / ties,
+                                                     "--checkpoint-dir", folder, *extra, steps=4, mbs=2))
+        return [r["loss"] for r in out[0]], optim.fused(list(out[1].parameters()))
+    whole = run(a, "--checkpoint-every", 2)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(a / "step_000002", b / "step_000002")
+    dist.barrier()
+    return whole, run(b, "--resume")
+
+
+@pytest.fixture(scope="module")
+def from_hf(tmp_path_factory):
+    """Both ranks' results for every FROM_HF case (one spawn), and the folder of their checkpoints."""
+    tmp = tmp_path_factory.mktemp("from_hf")
+    for ties in ("untied", "tied"):            # common.TINY's model
+        torch.manual_seed(0)
+        config = modeling.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=ties == "tied")
+        hf_io.save_hf(modeling.LlamaForCausalLM(config), tmp / ties)
+    return run_layouts(_from_hf_then_resumed, {case: case for case in FROM_HF}, 2, args=(str(tmp),),
+                       timeout=300), tmp
+
+
+@pytest.mark.parametrize("case", FROM_HF)
+def test_a_tp_run_begun_from_hf_weights_resumes_bitwise_on_fused_adamw(from_hf, case):
+    """Steps 3-4 resumed from step 2 equal the uninterrupted run's, bit for bit, as does step 4's checkpoint,
+    tensor for tensor; the parameters were contiguous in both runs, so AdamW ran its fused kernel."""
+    outcomes, tmp = from_hf
+    (whole, whole_fused), (resumed, resumed_fused) = layout_results(outcomes, case)[0]
+    assert resumed == whole[2:] and len(whole) == 4
+    assert whole_fused and resumed_fused
+    mine, reference = (tensors(tmp / case / folder / "step_000004") for folder in ("b", "a"))
+    assert mine.keys() == reference.keys() and len(mine) > 0
+    for key, value in reference.items():
+        assert torch.equal(mine[key], value), key

@@ -88,7 +88,7 @@ class Initializer:
         if tuple(tensor.get_shape()) != tuple(block.shape):
             raise ValueError(f"--init-from: {source} has shape {tuple(tensor.get_shape())}, the model "
                              f"expects {tuple(block.shape)}")
-        return tensor[index]
+        return tensor[index].contiguous()      # a column block is strided: fused AdamW, --resume want rows
 
 
 class Source:
