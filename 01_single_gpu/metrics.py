@@ -78,7 +78,7 @@ def json_line(record: dict) -> str:
 def open_json_log(path, start: int, resume: bool):
     """--json-log, ready to append the records of the steps after `start`. A resumed run keeps the lines of
     steps up to its checkpoint and drops the rest: the steps the run before logged after that checkpoint
-    (they are run again) and a line torn by a crash."""
+    (they are run again) and a line torn by a crash. The new file replaces the old whole, or not at all."""
     path = Path(path)
     if not (resume and path.is_file()):   # not a device such as /dev/null: it is not read back
         return open(path, "w")
@@ -90,13 +90,19 @@ def open_json_log(path, start: int, resume: bool):
         except (json.JSONDecodeError, KeyError, TypeError):
             pass
     scratch = path.with_name(path.name + ".tmp")
-    scratch.write_text("".join(kept))
+    try:
+        scratch.write_text("".join(kept))
+    except OSError:
+        scratch.unlink(missing_ok=True)        # a full disk: the old log stays as it was
+        raise
     os.replace(scratch, path)
     return open(path, "a")
 
 
 class StepLog:
-    """Times each step and reports it; `records` keeps what was logged (tests and callers read it)."""
+    """Times each step and reports it; `records` keeps what was logged (tests and callers read it).
+    A --json-log write that fails (a full disk) stops the writing and leaves its line in `failure`: the loop
+    then stops every rank after the step without saving it (--resume runs it, and logs it, again)."""
 
     def __init__(self, args, start: int, tokens_per_step: int, flops_per_step: float, world_size: int,
                  device, is_logging_rank: bool, hardware_flops_per_step: float | None = None):
@@ -105,10 +111,12 @@ class StepLog:
         self.world_size = world_size
         self.hardware_flops_per_step = hardware_flops_per_step or flops_per_step   # recomputed FLOPs included
         self.peak = peak_tflops(args, device)
-        self.records = []
-        self.json = None
+        self.records, self.json, self.failure = [], None, None
         if args.json_log and is_logging_rank:
-            self.json = open_json_log(args.json_log, start, args.resume)
+            try:
+                self.json = open_json_log(args.json_log, start, args.resume)
+            except OSError as error:
+                self.failed("rewriting it for --resume", error)
         self.tensorboard = None
         if args.tensorboard and is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard` (cli checks)
@@ -157,19 +165,21 @@ class StepLog:
         return record
 
     def write_json(self, record: dict):
-        """One line of --json-log; a failed write (a full disk) ends the run in one line (exit status 1)."""
+        """One line of --json-log."""
         try:
             self.json.write(json_line(record))
             self.json.flush()
         except OSError as error:
-            with contextlib.suppress(OSError):     # close() flushes again: the record is lost either way
-                self.json.close()
-            self.json = None
-            import cli         # imported here: cli imports this module
-            cli.fail(
-                f"--json-log {self.args.json_log}: writing step {record['step']}'s record failed "
-                f"({error.strerror}): free space there or pass another --json-log; the checkpoints saved so "
-                f"far are intact (--resume continues from the last one)", status=1)
+            self.failed(f"writing step {record['step']}'s record", error)
+
+    def failed(self, what: str, error: OSError):
+        """A --json-log write failed: no more are tried, and `failure` holds the line the run ends with."""
+        with contextlib.suppress(OSError, AttributeError):   # close() flushes again: the record is lost
+            self.json.close()
+        self.json = None
+        self.failure = (f"--json-log {self.args.json_log}: {what} failed ({error.strerror}): free space "
+                        f"there or pass another --json-log; the checkpoints saved so far are intact "
+                        f"(--resume continues from the last one)")
 
     def write_tensorboard(self, record: dict):
         """The record's scalars under train/ and eval/, and the memory in GiB, at its step."""

@@ -11,19 +11,24 @@ interpreter start); one case per folder also runs as a fresh `python NN/train.py
 run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
 hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE set or not.
 """
+import contextlib
 import json
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 
 import common
 import forkrun
+from harness import layout_results, run_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {n[:2]: n for n in ("01_single_gpu", "02_data_parallel", "03_zero", "04_tensor_parallel",
@@ -532,6 +537,141 @@ def test_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoint(results, ma
     folder = Path(materials["ckpt_full_disk"])
     assert (checkpoint.checkpoint_steps(folder) == [2, 1]
             and checkpoint.verify(folder / "step_000002")[0] is None)
+
+
+# ======================================================================================
+# A full disk mid-run, on 1 rank (01) and 2 (02, dp 2)
+# ======================================================================================
+# (id, what is on the small filesystem that fills, the line's words after the path, flags): a run resuming
+# step 2 meets the full disk at its first write there; what is not on it is beside it. The scratch folder's
+# case leaves one inode, which the startup's checks may use, and the new --json-log then takes.
+FULL_DISKS = [
+    ("checkpoint-data-file", "ckpt", ": saving step 3 failed (", []),
+    ("checkpoint-manifest", "ckpt", ": saving step 3 failed (", []),
+    ("checkpoint-scratch-no-inode", "ckpt+log", ": saving step 3 failed (", []),
+    ("json-log-rewrite", "log", ": rewriting it for --resume failed (", []),
+    ("preemption-save", "ckpt", ": saving step 3 failed (", ["--steps", "4"]),
+]
+PAGE = 4096                       # tmpfs counts whole pages: a file of n bytes takes ⌈n/4096⌉ of them
+LIMIT = 16384                     # without a tmpfs: the largest file a run may write (a data file: ~470 KB)
+
+
+def small_disk(folder: Path) -> bool:
+    """A 2 MiB tmpfs of 64 inodes mounted at `folder` (True), or, where mounting is not allowed, a plain
+    folder (False: a real write limit stands in, full_disk_limit). FULL_DISK_WITHOUT_MOUNT=1 tries that."""
+    folder.mkdir(parents=True)
+    if os.environ.get("FULL_DISK_WITHOUT_MOUNT"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64", "tmpfs", str(folder)],
+                          capture_output=True).returncode == 0
+
+
+def fill(disk: Path, leave_bytes: int = 0, inodes: bool = False):
+    """Fill the tmpfs at `disk` up to `leave_bytes` free, and (`inodes`) then every inode but one."""
+    stat = os.statvfs(disk)
+    (disk / "filler").write_bytes(bytes(stat.f_bavail * stat.f_frsize - leave_bytes))
+    for k in range(os.statvfs(disk).f_favail - 1 if inodes else 0):
+        (disk / f"inode-{k}").touch()
+
+
+def prepare_full_disk(case, folder: Path, ckpt_2_steps, world: int) -> dict:
+    """The case's checkpoint folder (a copy of the 2-step one) and log (its 2 steps), the one on a small disk
+    that is then filled: wholly, or (checkpoint-manifest) but for step 3's data files, or every inode."""
+    disk, names = folder / "disk", {"ckpt": "ckpt", "log": "log.jsonl"}
+    mounted = small_disk(disk)
+    places = {what: (disk if what in case[1] else folder) / name for what, name in names.items()}
+    shutil.copytree(ckpt_2_steps, places["ckpt"])
+    # without a tmpfs the log's rewrite has to exceed full_disk_limit's limit: its lines carry a long note
+    note = ', "note": "' + "x" * LIMIT * (not mounted and case[1] == "log") + '"'
+    if case[1] != "ckpt+log":
+        places["log"].write_text(f'{{"step": 1, "loss": 5.7{note}}}\n{{"step": 2, "loss": 5.6{note}}}\n')
+    # step 3's files: rank 0 writes every piece (as step 2's file), rank 1 of dp 2 an empty one
+    data = -(-(Path(ckpt_2_steps) / "step_000002" / "rank_00000.safetensors").stat().st_size // PAGE)
+    if mounted:
+        leave = {"checkpoint-manifest": (data + world - 1) * PAGE, "checkpoint-scratch-no-inode": 2**20}
+        fill(disk, leave.get(case[0], 0), inodes=case[0] == "checkpoint-scratch-no-inode")
+    elif case[0] == "checkpoint-scratch-no-inode":   # no tmpfs: a file where the save makes its folder
+        (places["ckpt"] / "step_000003.tmp").write_text("in the way")
+    return {"ckpt": str(places["ckpt"]), "log": str(places["log"]), "folder": str(folder), "mounted": mounted}
+
+
+def full_disk_limit(case, mounted: bool):
+    """Without a tmpfs, the data file and the log's rewrite meet a real limit, RLIMIT_FSIZE (`ulimit -f`:
+    the kernel refuses the write, EFBIG); a manifest cannot fail alone then (the test says so)."""
+    if not mounted and case[0] in ("checkpoint-data-file", "json-log-rewrite", "preemption-save"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)              # EFBIG, not death by SIGXFSZ
+        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
+
+
+def _full_disk_run(case, places, world):
+    """On each rank: the case's run (01, or 02 at dp 2) with SIGTERM in step 3 for preemption-save; returns
+    (exit status, what it wrote on stderr)."""
+    from test_preemption import exit_status, signal_in_step
+    where = places[case[0]]
+    trainer, flags = (("01_single_gpu", []) if world == 1 else
+                      ("02_data_parallel", ["--dp", "2", "--mbs", "1"]))
+    argv = BASE + flags + ["--resume", "--checkpoint-dir", where["ckpt"], "--json-log", where["log"],
+                           "--steps", "3", *case[3]]
+    err = Path(where["folder"]) / f"rank{os.environ['RANK']}.err"
+    saved, limit = (os.dup(1), os.dup(2)), resource.getrlimit(resource.RLIMIT_FSIZE)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    try:
+        full_disk_limit(case, where["mounted"])
+        stop = signal_in_step(3, signal.SIGTERM) if case[0] == "preemption-save" else contextlib.nullcontext()
+        with stop:
+            code = exit_status(import_module(f"{trainer}.train").main, argv)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+    return code, err.read_text()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-rank", "2-ranks"])
+def full_disk_runs(request, materials, tmp_path_factory):
+    """Every FULL_DISKS case on `world` ranks (one spawn): {id: every rank's (status, stderr)}, and where
+    each case's folders are. The tmpfs mounts are taken down after the module."""
+    world, root = request.param, tmp_path_factory.mktemp(f"full_disk_{request.param}")
+    places = {c[0]: prepare_full_disk(c, root / c[0], materials["ckpt"], world) for c in FULL_DISKS}
+    try:
+        outcomes = run_layouts(_full_disk_run, {case[0]: case for case in FULL_DISKS}, world,
+                               args=(places, world), timeout=120)
+        yield outcomes, places
+    finally:
+        for where in places.values():
+            subprocess.run(["umount", "-l", str(Path(where["folder"]) / "disk")], capture_output=True)
+
+
+@pytest.mark.parametrize("case", FULL_DISKS, ids=_ids)
+def test_a_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoints(case, full_disk_runs):
+    """Exit status 1 on every rank (a failure, not a usage error), one line on rank 0's stderr naming the
+    path, none from the others, no traceback; step 2's checkpoint still verifies, no torn step_000003.tmp is
+    left, and the log holds its 2 lines, no .tmp beside it. A tmpfs that fills: no space left, or no inode
+    for the save's scratch folder; without one, RLIMIT_FSIZE or a file in the scratch folder's place."""
+    import checkpoint
+    outcomes, places = full_disk_runs
+    where = places[case[0]]
+    if not where["mounted"] and case[0] == "checkpoint-manifest":
+        pytest.skip("mount -t tmpfs is not allowed here: no limit fails the manifest and not the data files")
+    results = layout_results(outcomes, case[0])
+    path = where["log"] if case[1] == "log" else where["ckpt"]
+    stop = "SIGTERM received, stopped after step 3: " if case[0] == "preemption-save" else ""
+    check_one_line({"code": results[0][0], "stderr": results[0][1], "stdout": "", "seconds": 0},
+                   f"{stop}{'--json-log' if case[1] == 'log' else '--checkpoint-dir'} {path}{case[2]}",
+                   SECONDS, status=1)
+    assert all(code == 1 and "Traceback" not in err for code, err in results[1:]), results
+    assert ("No space left on device" if where["mounted"] else "File too large") in results[0][1] or (
+        case[0] == "checkpoint-scratch-no-inode" and not where["mounted"])
+    in_the_way = ["step_000003.tmp"] * (case[0] == "checkpoint-scratch-no-inode" and not where["mounted"])
+    assert sorted(p.name for p in Path(where["ckpt"]).iterdir()) == ["step_000001", "step_000002",
+                                                                     *in_the_way]
+    assert checkpoint.newest_usable(where["ckpt"]).step == 2
+    logged = [json.loads(line)["step"] for line in Path(where["log"]).read_text().splitlines()]
+    expected = {"log": [1, 2], "ckpt+log": [3]}.get(case[1], [1, 2, 3])     # ckpt+log: a new log
+    assert logged == expected and not Path(where["log"] + ".tmp").exists()
 
 
 def test_the_table_is_large_enough():

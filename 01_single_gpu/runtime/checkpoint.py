@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import global_state
@@ -44,6 +44,11 @@ def sha256_of(path) -> str:
     return digest.hexdigest()
 
 
+class SaveFailed(Exception):
+    """A checkpoint that could not be written (a full disk: no space, no inode), raised on every rank once its
+    torn folder is gone. The checkpoints saved before it are untouched: nothing was published or pruned."""
+
+
 def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_last: int = 0,
                     replace_other_runs: bool = False):
     """Collective when distributed: every rank writes the pieces of its state it is the first to hold
@@ -51,62 +56,24 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
 
     `meta` holds "layout", "global_batch" and "args" (whose "run_id" names the run). Rank 0 then removes
     the checkpoints of other runs (`replace_other_runs`: --overwrite) and all but the newest `keep_last`.
+    A write that fails on any rank raises SaveFailed on every rank (none waits in a collective).
     """
     rank, world = _world()
     final = Path(directory) / f"step_{step:06d}"
     scratch = final.with_name(f"{final.name}.tmp")
-    if rank == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-        scratch.mkdir(parents=True)
-    mine = global_state.pieces(optimizer)
-    keys = [segment.key for segment, _ in mine]
-    everyone = [None] * world
-    if world > 1:
-        dist.barrier()
-        dist.all_gather_object(everyone, keys)
-    else:
-        everyone = [keys]
-    writer = {}
-    # each distinct piece: written by the first rank holding it
-    for r, rank_keys in enumerate(everyone):
-        for key in rank_keys:
-            writer.setdefault(key, r)
-    path = scratch / f"rank_{rank:05d}.safetensors"
-    tensors, listed = {}, []
-    for index, (segment, data) in enumerate(mine):
-        if writer[segment.key] == rank and segment.key not in {tuple(e["key"]) for e in listed}:
-            for quantity, flat in data.items():
-                tensors[f"{quantity}/{index}"] = flat.detach().to("cpu", copy=True).contiguous()
-            listed.append({**asdict(segment), "key": list(segment.key), "file": path.name, "index": index})
-    try:
-        save_file(tensors, path)
-        files, problems = [(path.name, {"bytes": path.stat().st_size, "sha256": sha256_of(path)})], []
-    except OSError as error:                            # a full disk: every rank learns it below, none hangs
-        files, problems = [None], [error.strerror or str(error)]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (files[0], listed, problems))
-        files, listed = [f for f, _, _ in gathered], [piece for _, pieces, _ in gathered for piece in pieces]
-        problems = [problem for _, _, rank_problems in gathered for problem in rank_problems]
+    problems = attempt(_fresh_folder, scratch) if rank == 0 else []
+    files, listed, problems = _write_pieces(scratch, optimizer, rank, world, problems)
     if rank == 0 and not problems:
-        scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
-        manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"],
-                    **meta, "config": global_state.model_config(model),
-                    "optimizer_step": global_state.optimizer_step(optimizer),
-                    "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files),
-                    "pieces": listed}
-        manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
-        manifest["manifest_sha256"] = manifest_digest(manifest)
-        try:
-            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        except OSError as error:
-            problems = [error.strerror or str(error)]
+        manifest = _manifest(step, world, model, optimizer, meta, files, listed)
+        problems = attempt((scratch / MANIFEST).write_text, json.dumps(manifest, indent=2))
     if world > 1:                                       # rank 0's manifest: the last write that can fail
         shared = [problems]
         dist.broadcast_object_list(shared, src=0)
         problems = shared[0]
     if problems:
-        _abandon(directory, scratch, step, problems[0], rank)
+        if rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise SaveFailed(problems[0])
     if rank == 0:
         _publish(scratch, final)
         _prune(Path(directory), step, meta["args"]["run_id"], keep_last, replace_other_runs)
@@ -115,16 +82,63 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
     return final
 
 
-def _abandon(directory, scratch: Path, step: int, problem: str, rank: int):
-    """A save that could not be written (a full disk): its torn folder removed, one line, exit status 1.
-    The checkpoints saved before it are untouched: nothing is published or pruned before every write."""
-    if rank == 0:
-        shutil.rmtree(scratch, ignore_errors=True)
-    import cli                 # imported here: cli imports this module
-    cli.fail(
-        f"--checkpoint-dir {directory}: saving step {step} failed ({problem}): free space there or pass "
-        f"another --checkpoint-dir; the checkpoints saved before it are intact (--resume continues from the "
-        f"last one)", status=1)
+def attempt(write, *args) -> list:
+    """[] once `write(*args)` has written, else [what the system said]: OSError's words (no space, no inode
+    left), or safetensors' own error for its file (SafetensorError, not an OSError)."""
+    try:
+        write(*args)
+        return []
+    except (OSError, SafetensorError) as error:
+        return [getattr(error, "strerror", None) or str(error)]
+
+
+def _fresh_folder(scratch: Path):
+    shutil.rmtree(scratch, ignore_errors=True)         # a crashed save's torn folder
+    scratch.mkdir(parents=True)
+
+
+def _write_pieces(scratch: Path, optimizer, rank: int, world: int, problems: list):
+    """Every rank's file of the pieces it is the first to hold: ([(file, its size and sha256)], [every
+    rank's pieces], [every rank's problem]), the same on every rank. A rank with a problem writes nothing."""
+    mine = global_state.pieces(optimizer)
+    everyone = [[segment.key for segment, _ in mine]]
+    if world > 1:
+        everyone = [None] * world
+        dist.barrier()
+        dist.all_gather_object(everyone, [segment.key for segment, _ in mine])
+    writer = {}
+    # each distinct piece: written by the first rank holding it
+    for r, rank_keys in enumerate(everyone):
+        for key in rank_keys:
+            writer.setdefault(key, r)
+    path, tensors, listed = scratch / f"rank_{rank:05d}.safetensors", {}, []
+    for index, (segment, data) in enumerate(mine):
+        if writer[segment.key] == rank and segment.key not in {tuple(e["key"]) for e in listed}:
+            for quantity, flat in data.items():
+                tensors[f"{quantity}/{index}"] = flat.detach().to("cpu", copy=True).contiguous()
+            listed.append({**asdict(segment), "key": list(segment.key), "file": path.name, "index": index})
+    problems = problems or attempt(save_file, tensors, path)
+    file = None if problems else (path.name, {"bytes": path.stat().st_size, "sha256": sha256_of(path)})
+    gathered = [(file, listed, problems)]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (file, listed, problems))
+    return ([f for f, _, _ in gathered], [piece for _, pieces, _ in gathered for piece in pieces],
+            [problem for _, _, rank_problems in gathered for problem in rank_problems])
+
+
+def _manifest(step, world, model, optimizer, meta, files, listed) -> dict:
+    """What rank 0 writes last: the run, its model and optimizer step, every file's size and sha256, every
+    piece's place, and its own sha256."""
+    scaler = getattr(optimizer, "scaler", None)          # fp16's loss scale (mixed_precision.py)
+    manifest = {"format": FORMAT, "step": step, "world_size": world, "run_id": meta["args"]["run_id"],
+                **meta, "config": global_state.model_config(model),
+                "optimizer_step": global_state.optimizer_step(optimizer),
+                "loss_scaler": scaler.state_dict() if scaler else None, "files": dict(files),
+                "pieces": listed}
+    manifest = json.loads(json.dumps(manifest))         # as it will read back (tuples as lists)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    return manifest
 
 
 def _publish(scratch: Path, final: Path):

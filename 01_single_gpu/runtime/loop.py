@@ -62,6 +62,8 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     if guard:
         guard.remove()
     log.close()
+    if ended.stopped_by == preemption.LOG_FAILED:      # the logging rank's line; the others end quietly
+        cli.fail(log.failure or "", status=1)
     if ended.stopped_by:
         preemption.leave(ended.stopped_by, ended.step, args.checkpoint_dir, run.is_logging_rank)
     report(run, log, start, profiler, ended.activation_peak)
@@ -141,7 +143,10 @@ def run_steps(run: Run, train_step, start: int, log, guard, profiler) -> Ended:
             meter = memory.saved_activation_bytes(exclude=params) if step == start else None
             one_step(run, train_step, step, log, guard, meter)
             activation_peak = meter.peak if meter else activation_peak
-            stopped_by = stop.agreed() if step + 1 < args.steps else 0    # a collective at every step's end
+            stopped_by = stop.agreed(log.failure is not None)            # a collective at every step's end
+            if stopped_by == preemption.LOG_FAILED:
+                break                   # the step is not saved: --resume runs it, and logs it, again
+            stopped_by = stopped_by if step + 1 < args.steps else 0     # the last step ends the run anyway
             save_if_due(run, step, stopped_by)
             if dog:
                 dog.beat(f"step {step + 1} ended")
@@ -187,8 +192,14 @@ def save_if_due(run: Run, step: int, stopped_by: int):
         return
     flags = {**vars(args), "lr_decay_steps": run.lr_decay_steps}    # --resume keeps the schedule's length
     meta = {"layout": run.layout, "global_batch": run.sampler.global_batch, "args": flags}
-    checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, run.model, run.optimizer, meta, args.keep_last,
-                               args.overwrite)
+    try:
+        checkpoint.save_checkpoint(args.checkpoint_dir, step + 1, run.model, run.optimizer, meta,
+                                   args.keep_last, args.overwrite)
+    except checkpoint.SaveFailed as problem:
+        stop = stopped_by and f"{preemption.name(stopped_by)} received, stopped after step {step + 1}: "
+        cli.fail(f"{stop or ''}--checkpoint-dir {args.checkpoint_dir}: saving step {step + 1} failed "
+                 f"({problem}): free space there or pass another --checkpoint-dir; the checkpoints saved "
+                 f"before it are intact (--resume continues from the last one)", status=1)
 
 
 def report(run: Run, log, start: int, profiler, activation_peak: int):

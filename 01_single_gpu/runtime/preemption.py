@@ -28,6 +28,9 @@ import watchdog
 
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Not a signal (above them all): the logging rank's --json-log failed (metrics.StepLog), so every rank stops
+# after the step, without saving it
+LOG_FAILED = 256
 
 
 class StopRequest:
@@ -55,15 +58,21 @@ class StopRequest:
     def _handle(self, signum, frame):
         self.signum = signum
 
-    def agreed(self) -> int:
-        """Collective (every rank, at the same step boundary): the signal any rank received, or 0."""
+    def agreed(self, log_failed: bool = False) -> int:
+        """Collective (every rank, at the same step boundary): LOG_FAILED if the log failed on any rank, else
+        the signal any rank received, or 0."""
+        mine = LOG_FAILED if log_failed else self.signum
         if not self.several:
-            return self.signum
-        flag = torch.tensor([float(self.signum)], device=self.device)   # (1,)
+            return mine
+        flag = torch.tensor([float(mine)], device=self.device)   # (1,)
         # torch's function itself, not `dist.all_reduce`, which 02's CommMeter replaces while a trainer runs:
         # its tables are the technique's traffic per step, and these 4 bytes are plumbing (as evaluation is).
         dist.distributed_c10d.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+def name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 def leave(signum: int, step: int, checkpoint_dir, is_logging_rank: bool):
@@ -73,7 +82,7 @@ def leave(signum: int, step: int, checkpoint_dir, is_logging_rank: bool):
                  f"from it")
     else:
         saved = "nothing saved (no --checkpoint-dir): the same command starts again from step 1"
-    line = (f"{signal.Signals(signum).name} received: stopped after step {step}, {saved} "
+    line = (f"{name(signum)} received: stopped after step {step}, {saved} "
             f"(exit status {EXIT_PREEMPTED})")
     if is_logging_rank:
         print(line, file=sys.stderr, flush=True)
