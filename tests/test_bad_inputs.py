@@ -674,6 +674,29 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_keeps_the_checkpoints(case, fu
     assert logged == expected and not Path(where["log"] + ".tmp").exists()
 
 
+def test_an_export_onto_a_full_disk_leaves_the_model_that_was_there(materials, tmp_path, capsys):
+    """export_hf.py --overwrite of step 2 over step 1's export, on a small filesystem that is full: one line
+    (exit status 1), step 1's files as they were, no scratch folder left. (Without a tmpfs: a file where
+    the scratch folder goes, which stays.)"""
+    import export_hf
+    disk = tmp_path / "disk"
+    mounted = small_disk(disk)
+    try:
+        out, export = disk / "hf", ["export_hf.py", "--checkpoint-dir", materials["ckpt"], "--out"]
+        export_hf.main([*export[1:], str(out), "--step", "1"])
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        fill(disk) if mounted else (disk / "hf.tmp").write_text("in the way")
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            export_hf.main([*export[1:], str(out), "--step", "2", "--overwrite"])
+        result = {"code": stop.value.code, "stderr": capsys.readouterr().err, "stdout": "", "seconds": 0}
+        check_one_line(result, f"--out {out}: writing the model failed (", SECONDS, status=1)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        assert sorted(p.name for p in disk.iterdir()) == (["filler", "hf"] if mounted else ["hf", "hf.tmp"])
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
 def test_the_table_is_large_enough():
     """The issue asks for at least 60 cases, across every folder."""
     assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)

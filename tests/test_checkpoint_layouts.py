@@ -216,3 +216,44 @@ def test_a_tp_run_begun_from_hf_weights_resumes_bitwise_on_fused_adamw(from_hf, 
     assert mine.keys() == reference.keys() and len(mine) > 0
     for key, value in reference.items():
         assert torch.equal(mine[key], value), key
+
+
+def init_from(folder) -> dict:
+    """01's parameters as --init-from gives them values: each read from the folder's safetensors files."""
+    import build
+    import cli
+    train01 = import_module("01_single_gpu.train")
+    args = cli.parse_args(train01.build_parser(), common.argv("--init-from", folder), files=False)
+    model = build.materialize(build.build_model(args, cli.model_config(args, 257)), args)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_a_sharded_export_round_trips_and_overwrite_replaces_the_whole_model(tmp_path):
+    """Step 2 exported in shards of at most 64 KiB (--max-shard-mb): an index and several shards, which
+    transformers loads with the project's logits (1e-5) and --init-from reads back bit for bit. Step 1 then
+    exported over it (--overwrite, one file) leaves that model alone in the folder, beside a file that is not
+    the model (a tokenizer's): the index and the shards are gone, and --init-from reads step 1's weights.
+    (Before, the stale index and shards stayed, and --init-from and generate.py --hf-dir read step 2's.)"""
+    import transformers
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    common.single_device_run("--checkpoint-dir", ckpt, "--checkpoint-every", 1, steps=2)
+    export_hf.main(["--checkpoint-dir", str(ckpt), "--out", str(out), "--step", "2",
+                    "--max-shard-mb", "0.0625"])
+    shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and sorted(p.name for p in out.iterdir()) == [
+        "config.json", *shards, "model.safetensors.index.json"]
+    _, config, step_2, _ = export_hf.read_checkpoint(ckpt, 2)
+    assert init_from(out).keys() == step_2.keys()
+    assert all(torch.equal(value, step_2[name]) for name, value in init_from(out).items())
+    ours = modeling.LlamaForCausalLM(config)
+    ours.load_state_dict(step_2)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+    (out / "tokenizer.json").write_text("{}")
+    export_hf.main(["--checkpoint-dir", str(ckpt), "--out", str(out), "--step", "1", "--overwrite"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]              # no scratch folder left
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    step_1 = export_hf.read_checkpoint(ckpt, 1)[2]
+    assert all(torch.equal(value, step_1[name]) for name, value in init_from(out).items())

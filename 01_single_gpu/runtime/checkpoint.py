@@ -61,7 +61,7 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
     rank, world = _world()
     final = Path(directory) / f"step_{step:06d}"
     scratch = final.with_name(f"{final.name}.tmp")
-    problems = attempt(_fresh_folder, scratch) if rank == 0 else []
+    problems = attempt(fresh_folder, scratch) if rank == 0 else []
     files, listed, problems = _write_pieces(scratch, optimizer, rank, world, problems)
     if rank == 0 and not problems:
         manifest = _manifest(step, world, model, optimizer, meta, files, listed)
@@ -75,7 +75,7 @@ def save_checkpoint(directory, step: int, model, optimizer, meta: dict, keep_las
             shutil.rmtree(scratch, ignore_errors=True)
         raise SaveFailed(problems[0])
     if rank == 0:
-        _publish(scratch, final)
+        publish(scratch, final)
         _prune(Path(directory), step, meta["args"]["run_id"], keep_last, replace_other_runs)
     if world > 1:
         dist.barrier()
@@ -92,8 +92,9 @@ def attempt(write, *args) -> list:
         return [getattr(error, "strerror", None) or str(error)]
 
 
-def _fresh_folder(scratch: Path):
-    shutil.rmtree(scratch, ignore_errors=True)         # a crashed save's torn folder
+def fresh_folder(scratch: Path):
+    """An empty `scratch` folder to write into: a crashed write's torn one is removed first."""
+    shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
 
 
@@ -141,9 +142,10 @@ def _manifest(step, world, model, optimizer, meta, files, listed) -> dict:
     return manifest
 
 
-def _publish(scratch: Path, final: Path):
-    """Rename the complete scratch folder into place. An older copy of the step is moved aside first and
-    removed only once the new one is in place: a crash in between leaves it on disk (as step_N.old)."""
+def publish(scratch: Path, final: Path):
+    """Rename the complete scratch folder into place. An older copy (of the step; export_hf.py's --out) is
+    moved aside first and removed only once the new one is in place: a crash in between leaves it on disk
+    (as step_N.old)."""
     old = final.with_name(f"{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)

@@ -4,9 +4,10 @@
 
 A checkpoint holds every parameter as pieces in global coordinates (global_state.py: name, TP block,
 ZeRO flat range), whatever layout saved it: dp × tp × pp × cp, ZeRO-1/2/3. This rebuilds each parameter
-from its pieces, one at a time, and writes `config.json` + `model.safetensors` (hf_io.save_hf_state),
-which `transformers.LlamaForCausalLM.from_pretrained` loads with the project's logits. A mixture-of-experts
-checkpoint (07, 08 --num-experts) is not a Llama: it is refused.
+from its pieces, one at a time, and writes `config.json` + `model.safetensors` (hf_io.save_hf_state; a model
+over --max-shard-mb: shards and their index), which `transformers.LlamaForCausalLM.from_pretrained` loads
+with the project's logits; `--overwrite` replaces the whole model at once. A mixture-of-experts checkpoint
+(07, 08 --num-experts) is not a Llama: it is refused.
 """
 import os
 import sys
@@ -14,9 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Folder names begin with digits, so each folder this one builds on goes on the path and its modules
 # are imported by their plain names: `import model` is 01_single_gpu/model.py.
 sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime")]
-from pathlib import Path
-
 import json
+import math
+import shutil
+from pathlib import Path
 
 import checkpoint
 import cli
@@ -68,12 +70,32 @@ def check_out(out, overwrite: bool):
                          f"replace it, or another --out")
 
 
-def export(checkpoint_dir, out, step=None, overwrite: bool = False):
-    """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step."""
+def export(checkpoint_dir, out, step=None, overwrite: bool = False, max_shard_bytes=None):
+    """Write checkpoint `step` (default: the newest usable) of `checkpoint_dir` to `out`; returns the step.
+
+    The model is written whole into a scratch folder beside `out`, with the files of `out` that are not a
+    model (a tokenizer's), then renamed into its place (checkpoint.publish): a stale shard or index never
+    stays, and a failed export (a full disk) leaves `out` as it was."""
     check_out(out, overwrite)
     step, config, state, _ = read_checkpoint(checkpoint_dir, step)
-    hf_io.save_hf_state(state, config, out)
+    out = Path(out).absolute()
+    scratch = out.with_name(f"{out.name}.tmp")
+    problems = checkpoint.attempt(write_folder, state, config, out, scratch, max_shard_bytes)
+    problems = problems or checkpoint.attempt(checkpoint.publish, scratch, out)
+    if problems:
+        shutil.rmtree(scratch, ignore_errors=True)
+        cli.fail(f"export_hf.py: error: --out {out}: writing the model failed ({problems[0]}): free space "
+                 f"there or pass another --out; {out} is as it was", status=1)
     return step
+
+
+def write_folder(state: dict, config, out: Path, scratch: Path, max_shard_bytes):
+    """The model, in a fresh `scratch`, beside copies of what else `out` holds (not a model's files)."""
+    checkpoint.fresh_folder(scratch)
+    for path in sorted(out.iterdir()) if out.is_dir() else []:
+        if path.name != "config.json" and ".safetensors" not in path.name:
+            (shutil.copytree if path.is_dir() else shutil.copy2)(path, scratch / path.name)
+    hf_io.save_hf_state(state, config, scratch, max_shard_bytes)
 
 
 def main(argv=None):
@@ -82,13 +104,19 @@ def main(argv=None):
     parser.add_argument("--out", required=True,
                         help="the folder to write config.json and model.safetensors to")
     parser.add_argument("--step", type=int, help="the step to export (default: the newest usable checkpoint)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the model an existing --out holds")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the model an existing --out holds (its other files are kept)")
+    parser.add_argument("--max-shard-mb", type=float, default=5000.0,
+                        help="a larger model goes into files of at most this size and an index "
+                             "(save_pretrained's 5GB)")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
+        parser.error(f"--max-shard-mb must be a positive finite number, got {args.max_shard_mb}")
     try:
-        step = export(args.checkpoint_dir, args.out, args.step, args.overwrite)
+        step = export(args.checkpoint_dir, args.out, args.step, args.overwrite, args.max_shard_mb * 1e6)
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as error:
         parser.error(str(error))
-    print(f"exported step {step} of {args.checkpoint_dir} to {args.out} (config.json, model.safetensors)")
+    print(f"exported step {step} of {args.checkpoint_dir} to {args.out}")
 
 
 if __name__ == "__main__":

@@ -169,8 +169,9 @@ def save_hf(model, directory):
     save_hf_state({k: v.detach() for k, v in model.state_dict().items()}, model.config, directory)
 
 
-def save_hf_state(state: dict, cfg, directory):
-    """`state` (01's parameter names -> tensors) and its LlamaConfig as a Hugging Face directory."""
+def save_hf_state(state: dict, cfg, directory, max_shard_bytes=None):
+    """`state` (01's parameter names -> tensors) and its LlamaConfig as a Hugging Face directory: one
+    model.safetensors, or files of at most `max_shard_bytes` and their model.safetensors.index.json."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(cfg, k) for k in CONFIG_KEYS}
@@ -184,5 +185,23 @@ def save_hf_state(state: dict, cfg, directory):
     state = {k: v.contiguous().cpu() for k, v in state.items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    shards = split_into_shards(state, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)])
+    for name, shard in zip(names, shards):
+        save_file(shard, directory / name, metadata={"format": "pt"})
+    if len(shards) > 1:             # as save_pretrained writes it: which file holds each tensor
+        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())},
+                 "weight_map": {key: name for name, shard in zip(names, shards) for key in shard}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def split_into_shards(state: dict, max_shard_bytes=None) -> list:
+    """The tensors in order, in groups of at most `max_shard_bytes` (a larger one alone), or all in one."""
+    shards, size = [{}], 0
+    for name, tensor in state.items():
+        if max_shard_bytes and shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][name], size = tensor, size + tensor.nbytes
+    return shards
