@@ -6,6 +6,9 @@ strict JSON, and, on real 2-rank gloo runs under torchrun on the CPU, the second
 a run whose rank 1 was stopped (SIGSTOP), or whose torchrun agent was killed, is gone.
 """
 import json
+import os
+import re
+import signal
 import sys
 import time
 from importlib import import_module
@@ -173,20 +176,37 @@ def test_a_stalled_rank_ends_every_rank(stalled_run):
     assert run["seconds"] < 80, run["seconds"]
 
 
+# The signals that end torchrun's agent, and what its workers receive: SIGKILL and SIGUSR1 (whose default
+# action ends the agent) leave them orphans, whom the kernel sends SIGHUP (watchdog.exit_with_parent); the
+# agent forwards a SIGHUP it receives. Two ranks under SIGKILL: the stop's collectives with the agent gone.
+AGENT_SIGNALS = [(signal.SIGKILL, 2), (signal.SIGUSR1, 1), (signal.SIGHUP, 1)]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
-def test_workers_exit_when_their_agent_dies(tmp_path):
-    """torchrun's agent is killed (SIGKILL: it can tell its workers nothing). The workers end within
-    seconds, by the kernel's parent-death signal, instead of training on as orphans (the old code's)."""
-    run = start_torchrun(tmp_path)
+@pytest.mark.parametrize("sig, ranks", AGENT_SIGNALS, ids=[s.name for s, _ in AGENT_SIGNALS])
+def test_workers_save_and_exit_when_their_agent_dies(tmp_path, sig, ranks):
+    """torchrun's agent gets `sig` after step 3. Its workers end within seconds, instead of training on as
+    orphans (the old code's), with the stop save of SIGTERM: one line, the step they stopped after saved
+    and verified, exit status 75. (Before, the watchdog's "launcher is gone" exit raced that save.)"""
+    import checkpoint
+    run = start_torchrun(tmp_path, "--checkpoint-dir", tmp_path / "ckpt", ranks=ranks)
     pids = {}
     try:
         wait_for(lambda: any(line.startswith("step     3 ") for line in run.lines), 180, "step 3", run)
         pids = workers(run.pid)
-        assert sorted(pids) == [0, 1], pids
-        run.kill()
+        assert sorted(pids) == list(range(ranks)), pids
+        os.kill(run.pid, sig)
         deadline = time.monotonic() + 15
         while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(alive(pid) for pid in pids.values()), "workers still running after their agent died"
+        run.closed.wait(timeout=10)
     finally:
         cleanup(run, pids.values())
+    output = "".join(run.lines)
+    said = re.findall(r"SIGHUP \(the launcher or the terminal is gone\) received: stopped after step (\d+), "
+                      r"saved \S+; the same command with --resume auto continues from it \(exit status 75\)",
+                      output)
+    # one line; torchrun, when it lives (SIGHUP), still prints its own traceback, with no frame of ours
+    assert len(said) == 1 and not re.search(r'File ".*/0\d_\w+/', output), output[-4000:]
+    assert checkpoint.newest_usable(tmp_path / "ckpt").step == int(said[0]) >= 3

@@ -36,15 +36,16 @@ TRAINERS = {"02": ("02_data_parallel.train", ["--dp", 2]),
 
 
 @contextlib.contextmanager
-def signal_in_step(step: int, sig):
-    """Send `sig` to this process in step `step` (1-based): in its first backward, or as the step starts if
-    it has none. A real signal, through the kernel, to the handler the loop installed."""
+def signal_in_step(step: int, sig, times: int = 1):
+    """Send `sig` to this process in step `step` (1-based), `times` times: in its first backward, or as the
+    step starts if it has none. A real signal, through the kernel, to the handler the loop installed."""
     lr_at, backward, now = optim.lr_at, torch.autograd.backward, {"step": 0, "sent": False}
 
     def send():
         if now["step"] == step and not now["sent"]:
             now["sent"] = True
-            os.kill(os.getpid(), sig)
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
 
     def lr_at_step(index, args):               # the loop sets each step's learning rate first
         now["step"] = index + 1
@@ -177,3 +178,36 @@ def test_killed_before_its_first_checkpoint_the_same_command_starts_from_step_1(
     for name, value in whole_state.items():
         assert torch.equal(again_state[name], value), name
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000002", "step_000004"]
+
+
+def _ctrl_c_twice(argv):
+    """01's run, sent Ctrl-C (SIGINT) twice in step 2."""
+    with signal_in_step(2, signal.SIGINT, times=2):
+        import_module("01_single_gpu.train").main(argv)
+
+
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_leaves_at_once(tmp_path, capsys):
+    """Ctrl-C (SIGINT) in step 2 of 4 stops 01 after that step as SIGTERM does: one line, step 2 saved, exit
+    status 130 (the shell's for an interrupted command), no KeyboardInterrupt traceback (the old loop's,
+    which saved nothing). Ctrl-C twice: the second ends the process at once (SIGINT's default action, so
+    the process dies by SIGINT), and step 1's checkpoint is intact."""
+    flags = ["--checkpoint-dir", tmp_path / "once", "--checkpoint-every", 1]
+    capsys.readouterr()
+    before = signal.signal(signal.SIGINT, lambda *_: None)     # a loop without a handler cannot end pytest
+    try:
+        with signal_in_step(2, signal.SIGINT):
+            code = exit_status(import_module("01_single_gpu.train").main, common.argv(*flags, steps=STEPS))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err == [f"SIGINT (Ctrl-C) received: stopped after step 2, saved "
+                                   f"{tmp_path / 'once'}/step_000002; the same command with --resume auto "
+                                   f"continues from it (exit status 130)"], err
+    assert checkpoint.newest_usable(tmp_path / "once").step == 2
+    argv = common.argv("--checkpoint-dir", tmp_path / "twice", "--checkpoint-every", 1, steps=STEPS)
+    twice = multiprocessing.get_context("forkserver").Process(target=_ctrl_c_twice, args=(argv,))
+    twice.start()
+    twice.join(timeout=120)
+    assert twice.exitcode == -signal.SIGINT
+    assert sorted(p.name for p in (tmp_path / "twice").iterdir()) == ["step_000001"]
+    assert checkpoint.verify(tmp_path / "twice" / "step_000001")[0] is None

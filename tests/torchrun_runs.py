@@ -23,13 +23,13 @@ STALLED = "test_a_stalled_rank_ends_every_rank"
 STALLED_ID = f"tests/test_failures.py::{STALLED}"
 
 
-def start_torchrun(cwd, *extra):
-    """torchrun --nproc_per_node 2 of 02 (dp 2, an endless run logging every step); its stdout lines are
-    collected in the background, and `closed_at` is when its output pipe closed."""
+def start_torchrun(cwd, *extra, ranks: int = 2):
+    """torchrun --nproc_per_node 2 of 02 (dp 2, an endless run logging every step; or `ranks` 1); its
+    stdout lines are collected in the background, and `closed_at` is when its output pipe closed."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                             str(ROOT / "02_data_parallel" / "train.py"),
-                            *common.argv("--dp", 2, "--log-every", 1, *extra, steps=100_000, mbs=2)],
+                            *common.argv("--dp", ranks, "--log-every", 1, *extra, steps=100_000, mbs=2)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     run.lines, run.closed = [], threading.Event()
 

@@ -135,8 +135,9 @@ def run_steps(run: Run, train_step, start: int, log, guard, profiler) -> Ended:
     trains and logs (`one_step`), checkpoints when due, and the run ends early on an agreed signal."""
     args, stopped_by, activation_peak, step = run.args, 0, 0, start - 1
     params = [p for p in run.model.parameters() if p.requires_grad]
-    with watchdog.Watchdog(args.timeout_s, run.rank) if run.several else contextlib.nullcontext() as dog, \
-            profiler or contextlib.nullcontext(), preemption.StopRequest(run.device, run.several) as stop:
+    with preemption.StopRequest(run.device, run.several) as stop, profiler or contextlib.nullcontext(), \
+            watchdog.Watchdog(args.timeout_s, run.rank, stop.hang_up) if run.several else \
+            contextlib.nullcontext() as dog:
         for step in range(start, args.steps):
             # The run's first step follows what autograd saves for backward: its peak is the measured
             # activation memory (the setup table shows Korthikanti's estimate).

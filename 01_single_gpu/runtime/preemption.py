@@ -1,9 +1,10 @@
-"""Preemptible runs: SIGTERM or SIGUSR1 ends training after the current step, with a checkpoint of it.
+"""Preemptible runs: SIGTERM, SIGUSR1, SIGHUP or Ctrl-C ends training after the step, with a checkpoint.
 
 A cluster stops a job with a signal: Slurm sends SIGTERM at the time limit, on preemption and on
 `scancel` (SIGKILL follows after KillWait or GraceTime), and `--signal=USR1@N` warns N seconds before the
-limit; torchrun forwards a SIGTERM it receives to its workers and kills those left 30 s later.
-Megatron-LM's --exit-signal-handler is the model: save, then leave.
+limit; torchrun forwards a SIGTERM, SIGINT or SIGHUP it receives to its workers and kills those left 30 s
+later. A worker whose launcher died (SIGKILL) gets SIGHUP from the kernel (watchdog.exit_with_parent).
+Megatron-LM's --exit-signal-handler is the model: save, then leave. A second Ctrl-C ends the process at once.
 
     torchrun --nproc_per_node 2 02_data_parallel/train.py --dp 2 --checkpoint-dir ck --resume auto
     kill -TERM <torchrun's pid>          # then the same command again: it continues from ck's newest step
@@ -15,7 +16,8 @@ Megatron-LM's --exit-signal-handler is the model: save, then leave.
 Every rank leaves after the same step, so none waits in a collective the others have left. The same
 command with `--resume auto` then continues from that checkpoint (or starts, where none was saved yet).
 Exit status 75 is sysexits.h's EX_TEMPFAIL, "try again later": not 0 (the run is not finished), not 1 (a
-failure) nor 2 (bad flags), so a launcher can tell a stopped run from a broken one and requeue it.
+failure) nor 2 (bad flags), so a launcher can tell a stopped run from a broken one and requeue it; after
+Ctrl-C, 130 (128 + SIGINT, as a shell reports an interrupted command: not to be requeued).
 """
 import signal
 import sys
@@ -26,8 +28,9 @@ import torch.distributed as dist
 
 import watchdog
 
-EXIT_PREEMPTED = 75
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_PREEMPTED, EXIT_INTERRUPTED = 75, 130
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
+MEANINGS = {signal.SIGHUP: "SIGHUP (the launcher or the terminal is gone)", signal.SIGINT: "SIGINT (Ctrl-C)"}
 # Not a signal (above them all): the logging rank's --json-log failed (metrics.StepLog), so every rank stops
 # after the step, without saving it
 LOG_FAILED = 256
@@ -36,8 +39,8 @@ LOG_FAILED = 256
 class StopRequest:
     """`with StopRequest(device, several) as stop:` ... `if stop.agreed(): save and leave` after every step.
 
-    Installs the handlers for SIGTERM and SIGUSR1 while training runs (the previous ones come back after).
-    `several`: a world of more than one rank, where the decision is a collective."""
+    Installs the handlers for SIGNALS while training runs (the previous ones come back after). `several`: a
+    world of more than one rank, where the decision is a collective. `hang_up()`: the launcher is gone."""
 
     def __init__(self, device, several: bool):
         self.device, self.several = device, several
@@ -57,6 +60,12 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.signum = signum
+        if signum == signal.SIGINT:         # a second Ctrl-C: the kernel's default, the process ends at once
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def hang_up(self):
+        """The watchdog saw the launcher gone: a SIGHUP, as Linux's kernel sends it (exit_with_parent)."""
+        self.signum = self.signum or signal.SIGHUP
 
     def agreed(self, log_failed: bool = False) -> int:
         """Collective (every rank, at the same step boundary): LOG_FAILED if the log failed on any rank, else
@@ -72,19 +81,20 @@ class StopRequest:
 
 
 def name(signum: int) -> str:
-    return signal.Signals(signum).name
+    return MEANINGS.get(signum, signal.Signals(signum).name)
 
 
 def leave(signum: int, step: int, checkpoint_dir, is_logging_rank: bool):
-    """One line (rank 0; also into torchrun's error file), then exit EXIT_PREEMPTED on every rank."""
+    """One line (rank 0; also into torchrun's error file), then exit EXIT_PREEMPTED on every rank (after
+    Ctrl-C: EXIT_INTERRUPTED)."""
+    status = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
     if checkpoint_dir:
         saved = (f"saved {checkpoint_dir}/step_{step:06d}; the same command with --resume auto continues "
                  f"from it")
     else:
         saved = "nothing saved (no --checkpoint-dir): the same command starts again from step 1"
-    line = (f"{name(signum)} received: stopped after step {step}, {saved} "
-            f"(exit status {EXIT_PREEMPTED})")
+    line = f"{name(signum)} received: stopped after step {step}, {saved} (exit status {status})"
     if is_logging_rank:
         print(line, file=sys.stderr, flush=True)
         watchdog.record_for_torchrun(line)
-    sys.exit(EXIT_PREEMPTED)
+    sys.exit(status)

@@ -9,8 +9,9 @@ always what the user reads, never a race with gloo's traceback. The stalled rank
 torchrun's agent kills it once its peers have exited.
 
 A worker whose torchrun agent is killed would otherwise train on as an orphan: `exit_with_parent` asks
-the Linux kernel to end it with its parent (prctl PR_SET_PDEATHSIG), and the watchdog's thread also
-checks the parent's pid, on every system, while the loop runs.
+the Linux kernel to send it SIGHUP when its parent dies (prctl PR_SET_PDEATHSIG), which the loop takes as a
+stop (preemption.py: the step is saved, then every rank leaves), and which ends it outside the loop. The
+watchdog's thread also checks the parent's pid while the loop runs, on every system, and asks for the stop.
 """
 import ctypes
 import json
@@ -39,22 +40,24 @@ def record_for_torchrun(line: str):
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
 
 
-def exit_with_parent(sig: int = signal.SIGTERM):
+def exit_with_parent(sig: int = signal.SIGHUP):
     """Linux: the kernel sends `sig` to this process when its parent (the launcher) exits."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
 class Watchdog:
-    """`with Watchdog(timeout_s, rank) as dog:` ... `dog.beat("step 12")` after every step.
+    """`with Watchdog(timeout_s, rank, orphaned) as dog:` ... `dog.beat("step 12")` after every step.
 
-    Ends the process with `exit(1)` after one line on stderr if `timeout_s` pass without a beat, or if
-    the parent process is gone. `exit` is os._exit: the main thread may be blocked inside C code (a
-    collective), where no exception can reach it.
+    Ends the process with `exit(1)` after one line on stderr if `timeout_s` pass without a beat; calls
+    `orphaned()` once if the parent process is gone (the loop then stops after the step, and saves it).
+    `exit` is os._exit: the main thread may be blocked inside C code (a collective), where no exception can
+    reach it.
     """
 
-    def __init__(self, timeout_s: float, rank: int, exit=os._exit, poll_s: float | None = None):
-        self.timeout_s, self.rank, self.exit = timeout_s, rank, exit
+    def __init__(self, timeout_s: float, rank: int, orphaned=lambda: None, exit=os._exit,
+                 poll_s: float | None = None):
+        self.timeout_s, self.rank, self.orphaned, self.exit = timeout_s, rank, orphaned, exit
         self.poll_s = poll_s if poll_s is not None else min(1.0, timeout_s / 10)
         self.parent = os.getppid()
         self.last, self.where = time.monotonic(), "the first step began"
@@ -76,7 +79,8 @@ class Watchdog:
     def _watch(self):
         while not self.stopped.wait(self.poll_s):
             if os.getppid() != self.parent:
-                return self._end(f"rank {self.rank}: its launcher (pid {self.parent}) is gone: exiting")
+                self.parent = os.getppid()      # the new parent (init): asked once
+                self.orphaned()
             idle = time.monotonic() - self.last
             if idle > self.timeout_s:
                 return self._end(f"rank {self.rank}: no progress for {idle:.0f} s since {self.where} "
