@@ -6,7 +6,9 @@ weights and gradients, fp32 masters and accumulation buffers; `held_state_bytes`
 step, which the tests compare with the table printed before the first); activations are estimated with
 the playbook's formula (Korthikanti et al.) and measured, on any device, with `saved_activation_bytes`,
 which follows what autograd stores for the backward pass (its peak over a training step is what the
-trainers print after their first step). On a GPU the allocator's peak is reported too.
+trainers print after their first step). On a GPU the allocator's peak is reported too. Before anything
+exists, `rank_lower_bound` gives what a rank needs at least: every trainer's preflight compares it with the
+device's free memory.
 
 Activation estimate per layer, in bytes for 16-bit activations (playbook §2.1;
 Korthikanti et al. Table 2), for sequence s, micro-batch b, hidden h, heads a, tensor-parallel t,
@@ -25,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+
+import mixed_precision
+import model as modeling
 
 
 def tensor_bytes(tensors) -> int:
@@ -47,6 +52,32 @@ def activation_bytes_estimate(config, mbs: int, seq_len: int, bytes_per_element:
     else:   # without SP the norm and dropout regions (10·s·b·h) are replicated on every tp rank
         per_layer = s * b * h * (10 + 24 / tp + attention_scores / tp)
     return int(config.num_hidden_layers * per_layer * bytes_per_element / 2)
+
+
+def rank_lower_bound(config, args, element_bytes: int) -> dict:
+    """Bytes the busiest rank of the flags' layout holds at least, known before anything is built (the
+    trainers' memory preflight, cli_checks.check_memory): the parameters, counted from one decoder layer on
+    meta, split over tp·pp (experts also over ep), in the precision layout's bytes (ZeRO-1/2/3 shard the
+    optimizer states, gradients, weights over dp·cp); one micro-batch of a stage's activations (the table
+    above; a fused attention core, SDPA's or Triton's, keeps no s×s scores: selective's row). Replicas, the
+    embedding's stage, the micro-batches a schedule holds and the logits come on top of it."""
+    tp, pp, cp, ep = (getattr(args, name, 1) for name in ("tp", "pp", "cp", "ep"))
+    with torch.device("meta"):                # one layer: building L of them could take hours
+        layer = modeling.DecoderLayer(config)
+    mlp, whole = (sum(p.numel() for p in module.parameters()) for module in (layer.mlp, layer))
+    experts = getattr(args, "num_experts", 0)
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    dense = config.num_hidden_layers * (whole - mlp * bool(experts)) + embeddings + config.hidden_size
+    params = dense / (tp * pp) + config.num_hidden_layers * mlp * experts / (tp * pp * ep)
+    shards, zero = getattr(args, "dp", 1) * cp, getattr(args, "zero_stage", 0)
+    weights, gradients, optimizer = mixed_precision.layout_of(args).bytes_per_parameter()
+    stored = "selective" if args.recompute == "none" and args.attn != "eager" else args.recompute
+    activations = activation_bytes_estimate(config, args.mbs, args.seq_len, element_bytes, stored, tp,
+                                            getattr(args, "sp", False), cp)
+    return {"parameters": weights * params / (shards if zero >= 3 else 1),
+            "gradients": gradients * params / (shards if zero >= 2 else 1),
+            "optimizer states": optimizer * params / (shards if zero >= 1 else 1),
+            "activations": activations / pp}
 
 
 class _Saved:

@@ -2,7 +2,9 @@
 
     python tests/forkrun.py --limit 60 < cases.json > results.json
 
-`cases.json` is a list of {"script": path, "argv": [...], "env": {name: value or null}}; each case
+`cases.json` is a list of {"script": path, "argv": [...], "env": {name: value or null}} and, optionally,
+"memory_limit": bytes (`ulimit -v`: RLIMIT_AS, that much address space above what the child holds at its
+start, so a size that is not refused fails to allocate instead of taking the host); each case
 runs in a child forked from a parent that has already imported the scripts' modules (torch included),
 so a case costs milliseconds instead of the ~2 s of a fresh interpreter, while keeping what a separate
 run has: its own exit status, its own stderr and stdout, and a traceback only where Python would print
@@ -11,6 +13,7 @@ seconds is killed (code -9).
 """
 import json
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -21,10 +24,13 @@ import traceback
 from pathlib import Path
 
 
-def _child(script: str, argv: list, env: dict, out_path: str, err_path: str):
+def _child(script: str, argv: list, env: dict, out_path: str, err_path: str, memory_limit=None):
     """Runs in the forked child: the script as `__main__`, then exits with Python's exit status."""
     code = 1
     try:
+        if memory_limit:
+            held = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (held + memory_limit, resource.RLIM_INFINITY))
         for fd, path in ((1, out_path), (2, err_path)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         for name, value in env.items():
@@ -65,7 +71,8 @@ def run_cases(cases: list, limit: float) -> list:
             start = time.perf_counter()
             pid = os.fork()
             if pid == 0:
-                _child(case["script"], case["argv"], case.get("env", {}), out_path, err_path)
+                _child(case["script"], case["argv"], case.get("env", {}), out_path, err_path,
+                       case.get("memory_limit"))
             while True:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:

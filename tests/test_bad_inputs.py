@@ -312,6 +312,23 @@ TOOL_CASES = [
     ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
      "--mfu must be in (0, 1]", {}),
 ]
+# Sizes that cannot fit (issue 32: allocator tracebacks after up to 55 s, or nothing for 240 s): each run
+# under `ulimit -v` of its address space + MEMORY_LIMIT, so that one not refused fails fast instead of taking
+# the host. The memory preflight refuses them before anything is allocated, naming the flags to change.
+MEMORY_LIMIT = 4 * 2**30
+SMALLER_MODEL = "train a smaller model (--hidden-size, --num-layers, --vocab-size, --preset)"
+SHORTER_BATCH = "lower --mbs or --seq-len, or pass --recompute full"
+CANNOT_FIT = [
+    ("llama3-1b-in-4-gib", "01", ["--preset", "llama3-1b"], SMALLER_MODEL),
+    ("seq-len-1e8", "01", ["--seq-len", "100000000", "--dataset", "synthetic"], SHORTER_BATCH),
+    ("hidden-size-2e20", "01", ["--hidden-size", "1048576"], SMALLER_MODEL),
+    ("vocab-size-1e9", "01", ["--vocab-size", "1000000000"], SMALLER_MODEL),
+    ("mbs-1e8", "01", ["--mbs", "100000000"], SHORTER_BATCH),
+    ("num-layers-1e6", "01", ["--num-layers", "1000000"], SMALLER_MODEL),
+    ("03-num-layers-1e6", "03", ["--num-layers", "1000000"], "or shard it over more ranks (--zero-stage 3)"),
+    ("08-num-layers-1e6", "08", ["--num-layers", "1000000"],
+     "or shard it over more ranks (--zero-stage 3, --tp"),
+]
 # Valid inputs the checks once refused (issue 32), among them a case this table held until then
 # (synthetic-vocab-below-tokenizer: synthetic data reads no tokenizer): each trains, or plans, and exits 0.
 ACCEPTED = [
@@ -483,8 +500,11 @@ def results(materials):
     runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
              for c in tools]
     runs += [{"script": str(ROOT / script), "argv": argv, "env": {}} for _, script, argv in ACCEPTED]
+    runs += [{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": ["--steps", "2", *c[2]],   # a preset
+              "env": {}, "memory_limit": MEMORY_LIMIT} for c in CANNOT_FIT]
     results = forkrun.run_in_fresh_process(runs, 3 * SECONDS, cwd=ROOT, env=user_env())
-    return {case[0]: result for case, result in zip(CASES + [FULL_DISK] + tools + ACCEPTED, results)}
+    cases = CASES + [FULL_DISK] + tools + ACCEPTED + CANNOT_FIT
+    return {case[0]: result for case, result in zip(cases, results)}
 
 
 def check_one_line(result, fix, seconds, status=2):
@@ -516,6 +536,28 @@ def test_gpu_only_tool_refuses_on_a_machine_without_one(case, results):
     if case[0] not in results:
         pytest.skip("a CUDA GPU is visible: the tool runs")
     check_one_line(results[case[0]], case[3], SECONDS, status=1)
+
+
+@pytest.mark.parametrize("case", CANNOT_FIT, ids=_ids)
+def test_a_size_that_cannot_fit_is_refused_before_anything_is_allocated(case, results):
+    """One line (exit status 2) within seconds: what the rank needs at least against what it may allocate,
+    and the flags to change. The llama3-1b case: 1.24B parameters, ~20 GB at 16 bytes each, in 4 GiB."""
+    check_one_line(results[case[0]], case[3], SECONDS)
+    assert all(words in results[case[0]]["stderr"] for words in ("needs at least", "--no-memory-check"))
+
+
+def test_no_memory_check_lets_a_run_past_the_preflight(capsys):
+    """--no-memory-check: the same flags as mbs-1e8 pass cli.setup (which builds no model), where without
+    it they end in the preflight's line."""
+    import cli
+    train01 = import_module("01_single_gpu.train")
+    argv = BASE + ["--mbs", "100000000"]
+    with pytest.raises(SystemExit) as stop:
+        cli.setup(train01.build_parser(), argv, train01.mixed_precision.check_precision)
+    assert stop.value.code == 2 and "needs at least" in capsys.readouterr().err
+    args, _, _ = cli.setup(train01.build_parser(), argv + ["--no-memory-check"],
+                           train01.mixed_precision.check_precision)
+    assert args.mbs == 100_000_000 and args.no_memory_check
 
 
 @pytest.mark.parametrize("case", ACCEPTED, ids=_ids)

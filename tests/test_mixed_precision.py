@@ -119,7 +119,8 @@ def test_fp16_resume_is_bitwise(tmp_path, init, saved_at):
 
 def _layout_states(layout):
     """The memory table's numbers before training, what the rank holds after one step of two micro-batches,
-    the trained and the initial parameters (fp32 copies)."""
+    the trained and the initial parameters (fp32 copies), the preflight's bound and the step's measured
+    activation peak."""
     dtype, precision = LAYOUTS[layout]
     argv = common.argv("--precision-layout", precision, steps=1, grad_acc=2, dtype=dtype)
     args, config, dataset = cli.setup(train.build_parser(), argv, mixed_precision.check_precision)
@@ -128,9 +129,11 @@ def _layout_states(layout):
     optimizer = mixed_precision.MixedPrecisionOptimizer(model.parameters(), args)
     report = memory.memory_report(model.parameters(), optimizer, activations=0)
     sampler = sampling.GlobalBatchSampler(dataset, args.seed, args.mbs, args.grad_acc)
-    train.train_step(model, optimizer, [sampler.micro_batch(0, m) for m in range(2)], args)   # lr 3e-3
+    with memory.saved_activation_bytes(exclude=model.parameters()) as meter:
+        train.train_step(model, optimizer, [sampler.micro_batch(0, m) for m in range(2)], args)   # lr 3e-3
     trained = {k: v.float().clone() for k, v in model.state_dict().items()}
-    return report, memory.held_state_bytes(model.parameters(), optimizer), trained, initial
+    bound = memory.rank_lower_bound(config, args, build.activation_element_bytes(args))
+    return report, memory.held_state_bytes(model.parameters(), optimizer), trained, initial, bound, meter.peak
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +147,18 @@ def test_memory_table_is_what_the_rank_holds(layout_states, layout, total, plann
     """The table printed before the first step (parameters, gradients, fp32 accumulators, fp32 masters,
     AdamW's moments) equals, byte for byte, the tensors held after a step of grad_acc 2; per parameter
     that is the playbook's 16 (bf16 2 + 2 + master 4 + Adam 8; fp32 4 + 4 + 8) or 20 (+ the fp32
-    accumulation buffer 4), split exactly as 08's planner's row for the same precision."""
-    report, held, _, _ = layout_states[layout]
+    accumulation buffer 4), split exactly as 08's planner's row for the same precision. The memory preflight's
+    bound (memory.rank_lower_bound, known before the model exists) holds the same model states, and at most
+    the activations the step measured."""
+    report, held, _, _, bound, activations = layout_states[layout]
     assert held == dict(parameters=report.parameters, gradients=report.gradients, master=report.master,
                         accumulation=report.accumulation, optimizer=report.optimizer)
     assert sum(report.per_parameter()) == total
     assert report.per_parameter() == planner.model_states(1, 1, 0, planned)
+    assert bound == {"parameters": report.parameters, "gradients": report.gradients + report.accumulation,
+                     "optimizer states": report.master + report.optimizer,
+                     "activations": bound["activations"]}
+    assert 0 < bound["activations"] <= activations
 
 
 @pytest.mark.parametrize("layout", ["autocast", "bf16-16", "bf16-20"])
@@ -160,8 +169,8 @@ def test_bf16_layouts_train_close_to_fp32(layout_states, layout):
     ±lr whatever the gradient's rounding). AdamW's m/√v is about ±lr
     whatever the gradient's size, so bf16 rounding of a gradient near zero can flip an update's sign:
     elementwise bounds would be ±2·lr; the norm of the difference is the meaningful measure."""
-    _, _, fp32, initial = layout_states["fp32"]
-    _, _, trained, _ = layout_states[layout]
+    _, _, fp32, initial, _, _ = layout_states["fp32"]
+    _, _, trained, _, _, _ = layout_states[layout]
     moved = sum((fp32[k] - initial[k]).norm() ** 2 for k in fp32) ** 0.5
     apart = sum((trained[k] - fp32[k]).norm() ** 2 for k in fp32) ** 0.5
     assert 0 < apart < 0.25 * moved

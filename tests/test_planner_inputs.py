@@ -82,3 +82,30 @@ def test_config_problems_are_one_parser_error(tmp_path, capsys, case):
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0] and str(directory) in errors[0]
+
+
+PREFLIGHT_LAYOUTS = [["--dp", "4", "--zero-stage", "1"], ["--dp", "2", "--zero-stage", "3", "--tp", "2"],
+                     ["--tp", "4", "--sp", "--pp", "2", "--recompute", "selective"],
+                     ["--cp", "2", "--pp", "4", "--pp-schedule", "afab", "--recompute", "full"],
+                     ["--dp", "4", "--ep", "4", "--num-experts", "8", "--pp", "2"]]
+
+
+@pytest.mark.parametrize("layout", PREFLIGHT_LAYOUTS, ids=lambda flags: "-".join(f.strip("-") for f in flags))
+def test_the_memory_preflight_is_a_lower_bound_of_the_planners_ranks(layout):
+    """The trainers' preflight (memory.rank_lower_bound, from the flags alone) against the planner's bytes of
+    every pipeline stage's ranks, which tests/test_5d_combined.py checks against what 08's ranks hold: its
+    model states are at most those of the busiest stage's rank, its activations at most that rank's (the
+    planner counts the held micro-batches and Korthikanti's attention scores; --precision mixed is
+    --dtype bfloat16 --precision-layout bf16-16)."""
+    import build
+    import memory
+    flags = ["--preset", "1b", "--seq-len", "4096", "--mbs", "1", "--grad-acc", "8", "--dtype", "bfloat16",
+             "--precision-layout", "bf16-16", *layout]
+    args = planner.cli.parse_args(planner.build_parser(), flags, files=False)
+    config, plan = planner.cli.model_config(args, 257), planner.layout_of(args)
+    bound = memory.rank_lower_bound(config, args, build.activation_element_bytes(args))
+    stages = [planner.stage_memory(config, plan, args.seq_len, args.mbs, args.grad_acc, stage)
+              for stage in range(args.pp)]
+    states = max(sum(s[k] for k in ("parameters", "gradients", "optimizer")) for s in stages)
+    assert 0 < bound["parameters"] + bound["gradients"] + bound["optimizer states"] <= states
+    assert 0 < bound["activations"] <= max(s["activations"] for s in stages)

@@ -8,7 +8,10 @@ numbers from the first step without ever holding the whole model. Mixed precisio
 mixed_precision.py): --dtype bfloat16/float16 run forward and backward under autocast, over fp32 weights
 or (--precision-layout bf16-16/bf16-20) bf16 ones; float32 and float64 run everything in that type.
 """
+import math
 import os
+import resource
+from pathlib import Path
 
 import torch
 
@@ -23,6 +26,49 @@ def device_of(args):
     if args.device == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def free_bytes(args) -> tuple:
+    """(bytes, what they are) this rank may allocate: its GPU's free memory (torch.cuda.mem_get_info); on
+    the CPU, the host's available RAM, which its ranks share (LOCAL_WORLD_SIZE), or less where its cgroup's
+    memory.max or the process's address-space limit (`ulimit -v`, RLIMIT_AS) leaves less."""
+    if args.device == "cuda":
+        index = device_of(args).index
+        with torch.cuda.device(index):
+            return torch.cuda.mem_get_info()[0], f"GPU {index} has free"
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    host = ((_available_ram(), "the host has available"), (_cgroup_room(), "its cgroup allows"))
+    rooms = [(room // share, f"{words} for each of its {share} ranks" if share > 1 else words)
+             for room, words in host if room is not None]
+    rooms += [(room, "ulimit -v leaves") for room in [_address_space_room()] if room is not None]
+    return min(rooms, default=(math.inf, "nothing limits"))
+
+
+def _available_ram():
+    """MemAvailable (/proc/meminfo, Linux) in bytes, else None."""
+    try:
+        return int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cgroup_room():
+    """memory.max − memory.current of the process's cgroup (v2, a container's), else None."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        return None if limit == "max" else int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_room():
+    """RLIMIT_AS (`ulimit -v`) less the address space the process holds, else None."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    try:
+        held = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
+        held = 0
+    return None if soft == resource.RLIM_INFINITY else soft - held
 
 
 def param_dtype(args):

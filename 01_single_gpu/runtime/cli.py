@@ -225,6 +225,9 @@ def failure_flags(g):
     g.add_argument("--timeout-s", type=float, default=watchdog.DEFAULT_TIMEOUT_S, metavar="S",
                    help="a collective, or a training step, that waits longer than this ends every rank (a "
                         "stalled or dead peer, a deadlock)")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="start even where this rank's memory estimate (parameters, gradients, optimizer "
+                        "states, activations: a lower bound) exceeds what its device has free")
     g.add_argument("--on-nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss or gradient norm stops the run, or skips the step (no parameter or "
                         "optimizer-state update)")
@@ -289,6 +292,8 @@ def setup(parser, argv=None, check_layout=None):
         config = model_config(args, tokenizer.vocab_size)
         if check_layout is not None:
             check_layout(args, config)
+        if not args.no_memory_check:          # before the data, the model and any process group
+            checks.check_memory(args, config)
         if args.dataset == data.SYNTHETIC:
             dataset = data.SyntheticWindows(config.vocab_size, args.seq_len, args.seed)
         else:

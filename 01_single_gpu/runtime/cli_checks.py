@@ -15,13 +15,17 @@ from pathlib import Path
 
 import torch
 
+import build
 import data
 import hf_io
+import memory
 import model as modeling
 import sources
 
 
 YEAR_S = 365 * 24 * 3600
+SMALLER = "train a smaller model (--hidden-size, --num-layers, --vocab-size, --preset)"
+SHORTER = "lower --mbs or --seq-len, or pass --recompute full"
 
 
 def _flag(name: str) -> str:
@@ -88,6 +92,26 @@ def check_heads(hidden: int, heads: int, kv_heads: int):
         raise ValueError(f"--hidden-size {hidden} / --num-heads {heads} gives head_dim {hidden // heads}, "
                          f"and head_dim {hidden // heads} must be even for rotary embeddings: pass another "
                          f"--hidden-size or --num-heads")
+
+
+def check_memory(args, config):
+    """The preflight: what this rank needs at least (memory.rank_lower_bound) against what it may allocate
+    (build.free_bytes), before anything is; a ValueError naming the flags that shrink what cannot fit."""
+    need = memory.rank_lower_bound(config, args, build.activation_element_bytes(args))
+    free, where = build.free_bytes(args)
+    if sum(need.values()) <= free:
+        return
+    shards = [flag for flag, name in (("--zero-stage 3", "zero_stage"), ("--tp", "tp"), ("--pp", "pp"))
+              if hasattr(args, name)]
+    smaller = SMALLER + (f" or shard it over more ranks ({', '.join(shards)})" if shards else
+                         " or shard it (03_zero/train.py --zero-stage 3, 04_tensor_parallel/train.py --tp)")
+    total = sum(need.values())
+    # the flags of each part (the states, the activations) that alone cannot fit, or of the larger
+    parts = sorted(((total - need["activations"], smaller), (need["activations"], SHORTER)), reverse=True)
+    fixes = [fix for part, fix in parts if part > free] or [parts[0][1]]
+    shown = ", ".join(f"{what} {size / 2**30:,.1f}" for what, size in need.items())
+    raise ValueError(f"this run needs at least {total / 2**30:,.1f} GiB on each rank ({shown} GiB), but "
+                     f"{where} {free / 2**30:,.1f} GiB: {'; '.join(fixes)}; or pass --no-memory-check")
 
 
 def check_triton(kernels: str, attn: str):

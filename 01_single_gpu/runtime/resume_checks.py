@@ -26,7 +26,7 @@ FREE_FLAGS = {"steps", "mbs", "grad_acc", "dtype", "device", "recompute", "kerne
               "pp_schedule", "cp_layout", "cp_attn", "init_from", "preset", "run_id", "resume_step",
               "dp", "tp", "pp", "cp", "ep", "pp_chunks", "sp", "zero_stage", "precision_layout",
               "loss_scale_init", "loss_scale_window", "profile", "offload", "partition_activations",
-              "eval_every", "plot", "tensorboard", "compile"}
+              "eval_every", "plot", "tensorboard", "compile", "no_memory_check"}
 
 
 def check_resume(args, directory, global_batch: int, world_size: int) -> checkpoint.Resume:
