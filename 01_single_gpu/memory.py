@@ -74,10 +74,14 @@ def rank_lower_bound(config, args, element_bytes: int) -> dict:
     stored = "selective" if args.recompute == "none" and args.attn != "eager" else args.recompute
     activations = activation_bytes_estimate(config, args.mbs, args.seq_len, element_bytes, stored, tp,
                                             getattr(args, "sp", False), cp)
-    return {"parameters": weights * params / (shards if zero >= 3 else 1),
+    need = {"parameters": weights * params / (shards if zero >= 3 else 1),
             "gradients": gradients * params / (shards if zero >= 2 else 1),
             "optimizer states": optimizer * params / (shards if zero >= 1 else 1),
             "activations": activations / pp}
+    # 03's ZeRO-Offload keeps the optimizer's shard (--offload param: all the model states) in host memory
+    offload = getattr(args, "offload", "none") if args.device == "cuda" else "none"
+    hosted = {"none": [], "optimizer": ["optimizer states"], "param": list(need)[:3]}[offload]
+    return {part: 0 if part in hosted else size for part, size in need.items()}
 
 
 class _Saved:

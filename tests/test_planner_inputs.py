@@ -109,3 +109,19 @@ def test_the_memory_preflight_is_a_lower_bound_of_the_planners_ranks(layout):
     states = max(sum(s[k] for k in ("parameters", "gradients", "optimizer")) for s in stages)
     assert 0 < bound["parameters"] + bound["gradients"] + bound["optimizer states"] <= states
     assert 0 < bound["activations"] <= max(s["activations"] for s in stages)
+
+
+@pytest.mark.parametrize("offload, on_the_gpu", [("optimizer", ("parameters", "gradients")), ("param", ())])
+def test_the_preflight_leaves_zero_offloads_states_to_the_host(offload, on_the_gpu):
+    """03 --zero-stage 3 --offload on a GPU: the preflight counts on the device only what stays there (the
+    host holds the optimizer's shard, and with `param` every model state), so it refuses no run that fits
+    thanks to the offload."""
+    import build
+    import cli
+    import memory
+    from importlib import import_module
+    args = cli.parse_args(import_module("03_zero.train").build_parser(),
+                          ["--zero-stage", "3", "--offload", offload, "--dp", "1"], files=False)
+    args = cli.with_values(args, device="cuda")
+    bound = memory.rank_lower_bound(cli.model_config(args, 257), args, build.activation_element_bytes(args))
+    assert {part for part, size in bound.items() if size > 0} == {*on_the_gpu, "activations"}
