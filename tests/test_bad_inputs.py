@@ -2,10 +2,12 @@
 
 Each case below is a real command line of `NN_*/train.py` with one mistake: a flag value, a path the run
 would write, a data source, a tokenizer, an `--init-from` directory, a checkpoint to resume, a parallel
-layout; then the tools (generate.py, export_hf.py, the planner) in their own flags' words, and a disk that
-fills mid-run (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status
+layout, a size that cannot fit (the memory preflight, under `ulimit -v`); then the tools (generate.py,
+export_hf.py, the planner) in their own flags' words; and a disk that fills mid-run, a real small tmpfs, on 1
+and 2 ranks (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status
 for a usage error, used for all of them), exactly one line on stderr holding the case's fix, no Python
-traceback anywhere in the output, and the seconds until the process exited. The cases run in processes
+traceback anywhere in the output, and the seconds until the process exited. Valid inputs the checks once
+refused are run to the end (ACCEPTED). The cases run in processes
 forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
 interpreter start); one case per folder also runs as a fresh `python NN/train.py`, imports included, and two
 run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
