@@ -42,17 +42,7 @@ def check_values(args):
     for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
-    for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-            raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(args, name)}")
-    if args.timeout_s > YEAR_S:        # the process group's timeout is a C++ duration: 1e300 s overflows it
-        raise ValueError(f"--timeout-s must be at most {YEAR_S} (a year), got {args.timeout_s:g}")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise ValueError(f"--weight-decay must be 0 or more (a finite number), got {args.weight_decay}")
-    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
-        raise ValueError(f"--grad-clip must be 0 (off) or positive (a finite number), got {args.grad_clip}")
-    if not 0 <= args.min_lr_ratio <= 1:
-        raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    check_floats(args)
     if args.profile and args.steps < 3:
         raise ValueError(f"--profile records from the 3rd step on (1 skipped, 1 warm-up): pass --steps 3 or "
                          f"more, got {args.steps}")
@@ -75,6 +65,21 @@ def check_values(args):
         raise ValueError("--compile does not take the mixture-of-experts layer: its routing sizes depend on "
                          "the data (graph breaks, a recompile per batch, ranks stalled in collectives): drop "
                          "--compile")
+
+
+def check_floats(args):
+    """The rates, the clip and the timeout: finite, and in their range."""
+    for name in ["lr", "timeout_s"] + (["peak_tflops"] if args.peak_tflops is not None else []):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(args, name)}")
+    if args.timeout_s > YEAR_S:        # the process group's timeout is a C++ duration: 1e300 s overflows it
+        raise ValueError(f"--timeout-s must be at most {YEAR_S} (a year), got {args.timeout_s:g}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise ValueError(f"--weight-decay must be 0 or more (a finite number), got {args.weight_decay}")
+    if not (math.isfinite(args.grad_clip) and args.grad_clip >= 0):
+        raise ValueError(f"--grad-clip must be 0 (off) or positive (a finite number), got {args.grad_clip}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
 
 
 def check_heads(hidden: int, heads: int, kv_heads: int):
