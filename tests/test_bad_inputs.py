@@ -501,7 +501,8 @@ def results(materials):
     tools = TOOL_CASES + ([] if __import__("torch").cuda.is_available() else GPU_ONLY_CASES)
     runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
              for c in tools]
-    runs += [{"script": str(ROOT / script), "argv": argv, "env": {}} for _, script, argv in ACCEPTED]
+    runs += [{"script": str(ROOT / script), "argv": argv + ["--steps", "1"] * (script != PLANNER), "env": {}}
+             for _, script, argv in ACCEPTED]
     runs += [{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": ["--steps", "2", *c[2]],   # a preset
               "env": {}, "memory_limit": MEMORY_LIMIT} for c in CANNOT_FIT]
     results = forkrun.run_in_fresh_process(runs, 3 * SECONDS, cwd=ROOT, env=user_env())

@@ -172,15 +172,15 @@ FROM_HF = {"04-tp2": ("04_tensor_parallel.train", ["--tp", 2], "untied"),
 
 
 def _from_hf_then_resumed(case, tmp):
-    """On both ranks: 4 steps from --init-from, saving steps 2 and 4 in folder a; then step 2 alone, copied
-    into folder b, resumed there to step 4. Returns both runs' losses and whether every parameter of each
+    """On both ranks: 3 steps from --init-from, saving steps 2 and 3 in folder a; then step 2 alone, copied
+    into folder b, resumed there to step 3. Returns both runs' losses and whether every parameter of each
     was contiguous (optim.fused: AdamW's fused kernel)."""
     module, flags, ties = FROM_HF[case]
     a, b = Path(tmp) / case / "a", Path(tmp) / case / "b"
 
     def run(folder, *extra):
         out = import_module(module).main(common.argv(*flags, "--init-from", Path(tmp) / ties,
-                                                     "--checkpoint-dir", folder, *extra, steps=4, mbs=2))
+                                                     "--checkpoint-dir", folder, *extra, steps=3, mbs=2))
         return [r["loss"] for r in out[0]], optim.fused(list(out[1].parameters()))
     whole = run(a, "--checkpoint-every", 2)
     dist.barrier()
@@ -206,13 +206,14 @@ def from_hf(tmp_path_factory):
 
 @pytest.mark.parametrize("case", FROM_HF)
 def test_a_tp_run_begun_from_hf_weights_resumes_bitwise_on_fused_adamw(from_hf, case):
-    """Steps 3-4 resumed from step 2 equal the uninterrupted run's, bit for bit, as does step 4's checkpoint,
-    tensor for tensor; the parameters were contiguous in both runs, so AdamW ran its fused kernel."""
+    """Step 3 resumed from step 2 equals the uninterrupted run's, bit for bit, as does step 3's checkpoint
+    (parameters and AdamW's moments), tensor for tensor; the parameters were contiguous in both runs, so
+    AdamW ran its fused kernel."""
     outcomes, tmp = from_hf
     (whole, whole_fused), (resumed, resumed_fused) = layout_results(outcomes, case)[0]
-    assert resumed == whole[2:] and len(whole) == 4
+    assert resumed == whole[2:] and len(whole) == 3
     assert whole_fused and resumed_fused
-    mine, reference = (tensors(tmp / case / folder / "step_000004") for folder in ("b", "a"))
+    mine, reference = (tensors(tmp / case / folder / "step_000003") for folder in ("b", "a"))
     assert mine.keys() == reference.keys() and len(mine) > 0
     for key, value in reference.items():
         assert torch.equal(mine[key], value), key
