@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import cli_checks
 import watchdog
 from kernels import child_process
 import sweep_rank
@@ -200,6 +201,10 @@ def outcome(status, ended: str, ranks: list, output: str, limits: tuple) -> tupl
     oom = [r for r in ranks if r.get("out_of_memory")]
     if oom:
         return "out of memory", f"rank {oom[0]['rank']}: {oom[0]['error']}"
+    # the trainer's preflight refused it before allocating (cli_checks.check_memory): its estimate, not a run
+    refused = [line for line in output.splitlines() if cli_checks.MEMORY_REFUSAL in line]
+    if status and refused:
+        return "out of memory", f"refused by the memory preflight: {refused[-1].strip()[:300]}"
     if status == 0 and ranks and all(r.get("status") == 0 for r in ranks):
         return "ok", ""
     failed = [r for r in ranks if r.get("error")]

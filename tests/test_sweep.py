@@ -57,7 +57,9 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     os.mkfifo(stuck / "manifest.json")                        # --resume reads it: open() waits for a writer
     out = tmp_path / "sweep"
     rows = ["dp=4", "tp=2,dp=2", "pp=2,dp=2", "cp=2,dp=2", "dp=4,ep=2 --num-experts 4", "dp=4,zero=1",
-            "dp=4 --vocab-size 20000000", f"tp=2,dp=2 --checkpoint-dir {stuck.parent} --resume"]
+            "dp=4 --vocab-size 20000000 --no-memory-check",      # the allocator fails under the cap
+            f"tp=2,dp=2 --checkpoint-dir {stuck.parent} --resume",
+            "dp=4 --vocab-size 20000001"]                        # the trainer's memory preflight refuses it
     argv = ["--world", "4", "--global-batch", "8", "--layouts", *rows, "--out", str(out), "--launcher",
             "fork", "--steps", "2", "--stall-s", "8", "--memory-limit-gb", "1.5", "--gpus-per-node", "4",
             *PLANNER, "--", *MODEL]
@@ -66,7 +68,7 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     assert done.returncode == 0, done.stdout + done.stderr
     assert not processes_naming(str(tmp_path)), "a process of the sweep outlived it"
     records = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
-    assert [r["outcome"] for r in records] == ["ok"] * 6 + ["out of memory", "timed out"]
+    assert [r["outcome"] for r in records] == ["ok"] * 6 + ["out of memory", "timed out", "out of memory"]
     for r in records[:6]:
         assert r["steps"] == 2 and r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["exit"] == 0
         assert len(r["peak_memory"]) == 4 and all(m > 0 for m in r["peak_memory"])
@@ -74,16 +76,18 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
         assert r["predicted"]["step_s"] > 0 and r["left_running"] == 0
     assert "can't allocate memory" in records[6]["cause"] and records[6]["exit"] != 0
     assert records[7]["cause"].startswith("no output for 8 s (--stall-s)") and records[7]["exit"] is None
+    assert records[8]["cause"].startswith("refused by the memory preflight: ") and "ulimit -d" in \
+        records[8]["cause"]
     ranks = [json.loads(p.read_text()) for p in (out / records[7]["row"]).glob("rank*.json")]
     assert len(ranks) == 4 and all(r["status"] is None for r in ranks)    # they started, and never ended
-    assert {r["predicted"]["rank"] for r in records} == set(range(1, 9))
+    assert {r["predicted"]["rank"] for r in records} == set(range(1, 10))
     table = (out / "table.txt").read_text().splitlines()
     assert [line.split(" tok/s")[0].split()[-2] for line in table[1:7]] == ["1", "2", "3", "4", "5", "6"]
-    assert "timed out" in table[7] and "out of memory" in table[8]             # the planner's order
+    assert "timed out" in table[7] and "out of memory" in table[8] and "out of memory" in table[9]
     assert (out / "sweep.png").stat().st_size > 0
     again = sweep.main(argv)                                   # in this process: nothing left to run
-    assert "8 rows, 8 of them recorded before" in capsys.readouterr().out
-    assert len((out / "rows.jsonl").read_text().splitlines()) == 8
+    assert "9 rows, 9 of them recorded before" in capsys.readouterr().out
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 9
     ok = sorted(records[:6], key=lambda r: -r["tokens_per_s"])
     failed = sorted(records[6:], key=lambda r: r["predicted"]["rank"])
     assert [r["row"] for r in again] == [r["row"] for r in ok + failed]

@@ -31,7 +31,7 @@ def device_of(args):
 def free_bytes(args) -> tuple:
     """(bytes, what they are) this rank may allocate: its GPU's free memory (torch.cuda.mem_get_info); on
     the CPU, the host's available RAM, which its ranks share (LOCAL_WORLD_SIZE), or less where its cgroup's
-    memory.max or the process's address-space limit (`ulimit -v`, RLIMIT_AS) leaves less."""
+    memory.max or the process's limits (`ulimit -v`: RLIMIT_AS, `ulimit -d`: RLIMIT_DATA) leave less."""
     if args.device == "cuda":
         index = device_of(args).index
         with torch.cuda.device(index):
@@ -40,7 +40,9 @@ def free_bytes(args) -> tuple:
     host = ((_available_ram(), "the host has available"), (_cgroup_room(), "its cgroup allows"))
     rooms = [(room // share, f"{words} for each of its {share} ranks" if share > 1 else words)
              for room, words in host if room is not None]
-    rooms += [(room, "ulimit -v leaves") for room in [_address_space_room()] if room is not None]
+    limits = (("ulimit -v", resource.RLIMIT_AS, "VmSize"), ("ulimit -d", resource.RLIMIT_DATA, "VmData"))
+    rooms += [(room, f"{ulimit} leaves") for ulimit, limit, held in limits
+              for room in [_rlimit_room(limit, held)] if room is not None]
     return min(rooms, default=(math.inf, "nothing limits"))
 
 
@@ -61,11 +63,12 @@ def _cgroup_room():
         return None
 
 
-def _address_space_room():
-    """RLIMIT_AS (`ulimit -v`) less the address space the process holds, else None."""
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+def _rlimit_room(limit, held_field: str):
+    """A resource limit (RLIMIT_AS: `ulimit -v`; RLIMIT_DATA: `ulimit -d`) less what the process holds of it
+    (/proc/self/status's VmSize, VmData), else None."""
+    soft = resource.getrlimit(limit)[0]
     try:
-        held = int(Path("/proc/self/status").read_text().split("VmSize:")[1].split()[0]) * 1024
+        held = int(Path("/proc/self/status").read_text().split(f"{held_field}:")[1].split()[0]) * 1024
     except (OSError, IndexError, ValueError):
         held = 0
     return None if soft == resource.RLIM_INFINITY else soft - held

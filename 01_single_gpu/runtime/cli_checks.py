@@ -26,6 +26,8 @@ import sources
 YEAR_S = 365 * 24 * 3600
 SMALLER = "train a smaller model (--hidden-size, --num-layers, --vocab-size, --preset)"
 SHORTER = "lower --mbs or --seq-len, or pass --recompute full"
+# how the preflight's refusal opens (08's sweep records such a row as out of memory, from its estimate)
+MEMORY_REFUSAL = "this run needs at least"
 
 
 def _flag(name: str) -> str:
@@ -115,7 +117,7 @@ def check_memory(args, config):
     parts = sorted(((total - need["activations"], smaller), (need["activations"], SHORTER)), reverse=True)
     fixes = [fix for part, fix in parts if part > free] or [parts[0][1]]
     shown = ", ".join(f"{what} {size / 2**30:,.1f}" for what, size in need.items())
-    raise ValueError(f"this run needs at least {total / 2**30:,.1f} GiB on each rank ({shown} GiB), but "
+    raise ValueError(f"{MEMORY_REFUSAL} {total / 2**30:,.1f} GiB on each rank ({shown} GiB), but "
                      f"{where} {free / 2**30:,.1f} GiB: {'; '.join(fixes)}; or pass --no-memory-check")
 
 
