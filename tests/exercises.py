@@ -183,24 +183,38 @@ def guarded_lines(exercise: Exercise, block: Block, lines: list) -> list:
 
 def write_copy(root: Path, out: Path, exercises: list, replace) -> Path:
     """Copy the repository's files into out, each block replaced by replace(exercise, block, lines)."""
-    out = Path(out).resolve()
+    given, out = out, Path(out).resolve()
     if out == root or root in out.parents:
         raise ExerciseError(f"{out} is inside the repository: write the copy somewhere else")
+    if out.exists() and not out.is_dir():
+        raise ExerciseError(f"{given} is a file: pass a new folder you can write (e.g. ../student)")
     if out.exists() and any(out.iterdir()):
         raise ExerciseError(f"{out} exists and is not empty: choose a new folder")
-    for name in source_files(root):
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, out / name)
     by_file = {}
     for exercise in exercises:
         for block in exercise.blocks:
             by_file.setdefault(block.path, []).append((exercise, block))
+    rewritten = {}
     for name, blocks in by_file.items():
         lines = (root / name).read_text().splitlines()
         for exercise, block in sorted(blocks, key=lambda eb: -eb[1].line):     # bottom up: indices hold
             first, last = block.body
             lines[first:last + 1] = replace(exercise, block, lines)
-        (out / name).write_text("\n".join(lines) + "\n")
+        rewritten[name] = "\n".join(lines) + "\n"
+    made = not out.exists()
+    try:
+        for name in source_files(root):
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            if name in rewritten:
+                (out / name).write_text(rewritten[name])
+                shutil.copymode(root / name, out / name)
+            else:
+                shutil.copy2(root / name, out / name)
+    except OSError as error:          # no such parent (/proc), read-only, full: nothing half-made is left
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise ExerciseError(f"cannot write the copy into {given} ({error.strerror}): pass a new folder you "
+                            f"can write (e.g. ../student)") from None
     return out
 
 
@@ -277,4 +291,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # The module under its own name, so that exercise_check (which imports it) raises the ExerciseError
+    # that main catches: run as a script this file is `__main__`, a second module with a class of its own.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import exercises
+    exercises.main()

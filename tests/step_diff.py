@@ -34,10 +34,12 @@ END = "<!-- end of the generated train_step -->"
 
 
 def folder_of(name: str) -> str:
-    """'04' or '04_tensor_parallel' -> '04_tensor_parallel'."""
+    """'04', '04_tensor_parallel' or a shell's completion './04_tensor_parallel/' -> '04_tensor_parallel';
+    ValueError naming the choices."""
+    name = name.rstrip("/").removeprefix("./")
     matches = [f for f in LINEAGE if f == name or f[:2] == name]
     if len(matches) != 1:
-        raise SystemExit(f"no folder {name!r}: one of {', '.join(LINEAGE)}")
+        raise ValueError(f"no folder {name!r}: name one of 01 .. 08 (or the folder: {', '.join(LINEAGE)})")
     return matches[0]
 
 
@@ -118,20 +120,33 @@ def counts():
     return "\n".join(rows)
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line naming the fix, no usage block; exit status 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="step_diff.py", description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", help="01 .. 08 (or the folder's name)")
     parser.add_argument("--write", action="store_true", help="regenerate the block of every folder's README")
     parser.add_argument("--counts", action="store_true", help="changed-line counts per lineage pair")
     args = parser.parse_args(argv)
+    for flag, what in (("write", "regenerates every folder's README"),
+                       ("counts", "prints every folder's pair")):
+        if getattr(args, flag) and args.folder:
+            parser.error(f"--{flag} {what}: run it without {args.folder}")
+    try:
+        folder = args.folder and folder_of(args.folder)
+    except ValueError as error:
+        parser.error(str(error))
     if args.write:
         for folder in LINEAGE:
             readme = ROOT / folder / "README.md"
             readme.write_text(replace_block(readme.read_text(), folder))
     elif args.counts:
         print(counts())
-    elif args.folder:
-        print("\n".join(step_diff(folder_of(args.folder))))
+    elif folder:
+        print("\n".join(step_diff(folder)))
     else:
         parser.error("name a folder, or pass --write or --counts")
 

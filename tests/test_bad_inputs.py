@@ -3,12 +3,12 @@
 Each case below is a real command line of `NN_*/train.py` with one mistake: a flag value, a path the run
 would write, a data source, a tokenizer, an `--init-from` directory, a checkpoint to resume, a parallel
 layout, a size that cannot fit (the memory preflight, under `ulimit -v`); then the tools (generate.py,
-export_hf.py, the planner) in their own flags' words; and a disk that fills mid-run, a real small tmpfs, on 1
-and 2 ranks (exit status 1, the checkpoints intact). Asserted per case: exit status 2 (argparse's status
-for a usage error, used for all of them), exactly one line on stderr holding the case's fix, no Python
-traceback anywhere in the output, and the seconds until the process exited. Valid inputs the checks once
-refused are run to the end (ACCEPTED). The cases run in processes
-forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
+export_hf.py, the planner, and the maintainers' tests/exercises.py, step_diff.py and worked_outputs.py) in
+their own words; and a disk that fills mid-run, a real small tmpfs, on 1 and 2 ranks (exit status 1, the
+checkpoints intact). Asserted per case: exit status 2 (argparse's status for a usage error, used for all of
+them), exactly one line on stderr holding the case's fix, no Python traceback anywhere in the output, and
+the seconds until the process exited. Valid inputs the checks once refused are run to the end (ACCEPTED).
+The cases run in processes forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
 interpreter start); one case per folder also runs as a fresh `python NN/train.py`, imports included, and two
 run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
 hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE set or not.
@@ -274,6 +274,7 @@ NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu"}     # on a GPU machi
 # its own flags: none of them has --resume.
 GENERATE, EXPORT, PLANNER = ("01_single_gpu/runtime/generate.py", "01_single_gpu/runtime/export_hf.py",
                              "08_5d_combined/planner.py")
+EXERCISES, STEP_DIFF, WORKED_OUTPUTS = "tests/exercises.py", "tests/step_diff.py", "tests/worked_outputs.py"
 TOOL_CASES = [
     ("generate-temperature-nan", GENERATE,
      ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
@@ -313,6 +314,28 @@ TOOL_CASES = [
                                         "--mem-reserve", "nan"], "--mem-reserve must be 0 or more GB", {}),
     ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
      "--mfu must be in (0, 1]", {}),
+    # the maintainers' tools (tests/): exercises, the step blocks, the worked outputs
+    ("exercises-check-unknown-id", EXERCISES, ["check", "--only", "99.9"],
+     "exercises.py: error: no exercise 99.9 (python tests/exercises.py list shows them)", {}),
+    ("exercises-make-onto-a-file", EXERCISES, ["make", "{file}"],
+     "{file} is a file: pass a new folder you can write (e.g. ../student)", {}),
+    ("exercises-make-in-proc", EXERCISES, ["make", "/proc/student"],
+     "cannot write the copy into /proc/student (No such file or directory): pass a new folder you can write",
+     {}),
+    ("exercises-make-read-only", EXERCISES, ["make", "{read_only}/student"],
+     "cannot write the copy into {read_only}/student", {}),
+    ("step-diff-folder-and-write", STEP_DIFF, ["04", "--write"],
+     "step_diff.py: error: --write regenerates every folder's README: run it without 04", {}),
+    ("step-diff-folder-and-counts", STEP_DIFF, ["04", "--counts"],
+     "step_diff.py: error: --counts prints every folder's pair: run it without 04", {}),
+    ("step-diff-unknown-folder", STEP_DIFF, ["99"],
+     "step_diff.py: error: no folder '99': name one of 01 .. 08", {}),
+    ("worked-outputs-unknown-folder", WORKED_OUTPUTS, ["check", "99"],
+     "worked_outputs.py: error: no folder '99': name one of 01 .. 08", {}),
+    ("worked-outputs-folder-without-zero", WORKED_OUTPUTS, ["list", "4"],
+     "worked_outputs.py: error: no folder '4': name one of 01 .. 08 (04 for 04_tensor_parallel)", {}),
+    ("worked-outputs-unknown-command", WORKED_OUTPUTS, ["chek"],
+     "worked_outputs.py: error: no command 'chek': use list, check or write (did you mean check?)", {}),
 ]
 # Sizes that cannot fit (issue 32: allocator tracebacks after up to 55 s, or nothing for 240 s): each run
 # under `ulimit -v` of its address space + MEMORY_LIMIT, so that one not refused fails fast instead of taking
@@ -368,7 +391,7 @@ def _ids(case):
 
 
 @pytest.fixture(scope="module")
-def materials(tmp_path_factory):
+def materials(tmp_path_factory, request):
     """The files the cases point at: checkpoints (good, corrupt, of other layouts), data files, tokenizers and
     Hugging Face directories (good and broken), all built here, offline."""
     import torch
@@ -382,6 +405,7 @@ def materials(tmp_path_factory):
     m["empty"].mkdir()
     m["file"] = root / "a_file.txt"
     m["file"].write_text("a file, not a folder\n")
+    m["read_only"] = read_only_folder(root / "read_only", request)
 
     # A real 2-step checkpoint of 01 (steps 1 and 2), then copies broken in every step.
     m["ckpt"] = root / "ckpt"
@@ -487,6 +511,21 @@ def materials(tmp_path_factory):
                             "lm_head.weight": "model-00001-of-00002.safetensors"}}
     (m["hf_missing_shard"] / "model.safetensors.index.json").write_text(json.dumps(index))
     return {k: str(v) for k, v in m.items()}
+
+
+def read_only_folder(path, request):
+    """A folder nobody may write into: mode 555 for a user; for root, whom modes do not stop, a read-only
+    tmpfs mounted on it, or where mounting is not allowed /proc/sys (a kernel filesystem, no new folder)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        request.addfinalizer(lambda: path.chmod(0o755))
+        return path
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                      capture_output=True).returncode == 0:
+        request.addfinalizer(lambda: subprocess.run(["umount", str(path)], capture_output=True))
+        return path
+    return Path("/proc/sys")
 
 
 def _argv(case, materials):

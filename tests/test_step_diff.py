@@ -39,3 +39,12 @@ def test_the_command_prints_the_code_only_diff(capsys):
     step_diff.main(["--counts"])
     rows = capsys.readouterr().out.splitlines()
     assert rows[0].split() == ["pair", "train.py", "step", "code"] and len(rows) == len(FOLDERS)
+
+
+def test_a_tab_completed_folder_name_is_accepted(capsys):
+    """A shell completes `04_tensor_parallel/` with its slash: the same folder as `04`."""
+    step_diff.main(["04"])
+    expected = capsys.readouterr().out
+    for name in ("04_tensor_parallel/", "./04_tensor_parallel", "04_tensor_parallel"):
+        step_diff.main([name])
+        assert capsys.readouterr().out == expected, name

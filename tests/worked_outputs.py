@@ -13,6 +13,7 @@ machine's: `check` passes over them, `write` refreshes them with the lines aroun
 from the repository root, one command after the other (a few minutes in all), so the suite does not run
 it: tests/test_worked_outputs.py checks that every block is found with a command.
 """
+import difflib
 import re
 import shlex
 import subprocess
@@ -102,11 +103,38 @@ def refreshed(block: str, printed: list) -> tuple:
     return "\n".join(new), stale
 
 
+COMMANDS = ("list", "check", "write")
+
+
+def usage_error(message):
+    """One line naming the fix, exit status 2 (argparse's status for a usage error)."""
+    print(f"worked_outputs.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def folder_prefix(name: str) -> str:
+    """'04', '04_tensor_parallel' or './04_tensor_parallel/' -> '04'; a usage error for anything else."""
+    prefix = name.rstrip("/").removeprefix("./")[:2]
+    if prefix.isdigit() and len(prefix) == 2 and list(ROOT.glob(f"{prefix}_*/README.md")):
+        return prefix
+    padded = list(ROOT.glob(f"{int(name):02d}_*/README.md")) if name.isdigit() else []
+    hint = f" ({int(name):02d} for {padded[0].parent.name})" if padded else ""
+    usage_error(f"no folder {name!r}: name one of 01 .. 08{hint}")
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] not in ("list", "check", "write"):
-        raise SystemExit(__doc__)
-    outputs = find(args[1:])
+    if not args:
+        usage_error(f"name a command: {', '.join(COMMANDS[:-1])} or {COMMANDS[-1]} (the docstring: --help)")
+    if args[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    if args[0] not in COMMANDS:
+        close = difflib.get_close_matches(args[0], COMMANDS, n=1)
+        usage_error(f"no command {args[0]!r}: use list, check or write"
+                    + (f" (did you mean {close[0]}?)" if close else ""))
+    folders = [folder_prefix(name) for name in args[1:]]
+    outputs = find(folders)
     failed = False
     for output in outputs:
         where = f"{output.readme.relative_to(ROOT)}:{output.line}"
