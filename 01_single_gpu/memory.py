@@ -44,6 +44,11 @@ def optimizer_state_bytes(optimizer) -> int:
 def activation_bytes_estimate(config, mbs: int, seq_len: int, bytes_per_element: int, recompute: str = "none",
                               tp: int = 1, sp: bool = False, cp: int = 1) -> int:
     s, b, h, a = seq_len // cp, mbs, config.hidden_size, config.num_attention_heads
+    # exercise 01.3: activation memory
+    # hint: Korthikanti et al. Table 2: bytes per layer in 16-bit for each recomputation mode (01's README,
+    #   "Derivations") and their TP and SP forms (its Reference, "Activation estimate"); CP holds s/cp
+    #   tokens; scale to `bytes_per_element` and the model's layers.
+    # test: tests/test_single_gpu.py::test_activation_estimate_matches_playbook_formula
     attention_scores = 0 if recompute == "selective" else 5 * a * s / h        # the quadratic term
     if recompute == "full":
         per_layer = 2 * s * b * h
@@ -52,6 +57,7 @@ def activation_bytes_estimate(config, mbs: int, seq_len: int, bytes_per_element:
     else:   # without SP the norm and dropout regions (10·s·b·h) are replicated on every tp rank
         per_layer = s * b * h * (10 + 24 / tp + attention_scores / tp)
     return int(config.num_hidden_layers * per_layer * bytes_per_element / 2)
+    # end exercise
 
 
 def rank_lower_bound(config, args, element_bytes: int) -> dict:

@@ -114,12 +114,17 @@ class LossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
     def update(self, overflow: bool):
+        # exercise 01.5: fp16's dynamic loss scaling
+        # hint: Micikevicius et al. §3.2 (01's README, "Mixed precision"): back off after an overflow, grow
+        #   again after `window` good steps in a row, counting from the last change of S.
+        # test: tests/test_mixed_precision.py::test_loss_scaler_backs_off_and_grows
         if overflow:
             self.scale, self.good_steps = self.scale / 2, 0
         else:
             self.good_steps += 1
             if self.good_steps == self.window:
                 self.scale, self.good_steps = self.scale * 2, 0
+        # end exercise
 
 
 class MixedPrecisionOptimizer:

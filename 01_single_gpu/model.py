@@ -104,8 +104,9 @@ def eager_attention(q, k, v):
     k = k.repeat_interleave(groups, dim=1)                                # (B, nh, T, hd)
     v = v.repeat_interleave(groups, dim=1)
     # exercise 01.1: causal self-attention
-    # hint: the scores q·kᵀ/√hd (B, nh, T, T); −inf above the diagonal, so query i sees keys 0…i; the softmax
-    #   over the keys in float32, back to q's dtype; times v. k and v already have one head per query head.
+    # hint: softmax(q·kᵀ/√hd + M)·v ([PB] §2.1, "Attention is all you need" §3.2.1), where the causal mask M
+    #   lets query i see keys 0…i only; take the softmax in float32 (01's README: mixed precision), the
+    #   output in q's dtype. k and v already have one head per query head.
     # test: tests/test_single_gpu.py::test_eager_attention_is_causal_attention_over_shared_kv_heads
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])             # (B, nh, T, T)
     T = q.shape[2]

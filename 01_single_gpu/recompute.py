@@ -25,7 +25,13 @@ def checkpointed(fn):
     """fn, but its intermediate activations are recomputed in backward instead of being stored."""
     @functools.wraps(fn)
     def run(*args):
+        # exercise 01.4: activation recomputation
+        # hint: [PB] §2.1 "Activation recomputation": torch.utils.checkpoint keeps a function's inputs and
+        #   runs it again in backward (the non-reentrant form); full wraps what a whole layer computes,
+        #   selective only the part whose activations grow with s² (the module docstring's table).
+        # test: tests/test_single_gpu.py::test_recompute_modes_give_identical_gradients_and_save_less
         return checkpoint(fn, *args, use_reentrant=False)
+        # end exercise
     return run
 
 
@@ -35,7 +41,11 @@ def apply_recompute(model, mode: str):
         raise ValueError(f"--recompute {mode!r}: choose one of {RECOMPUTE_MODES}")
     for layer in model.model.layers:
         if mode == "full":
+            # exercise 01.4
             layer.forward = checkpointed(layer.forward)
+            # end exercise
         elif mode == "selective":
+            # exercise 01.4
             layer.self_attn.attn_fn = checkpointed(layer.self_attn.attn_fn)
+            # end exercise
     return model

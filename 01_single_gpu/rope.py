@@ -74,9 +74,9 @@ def rotary_cos_sin(position_ids, config, dtype):
     in float32 whatever the model's dtype, as Hugging Face does.
     """
     # exercise 01.2: rotary position embedding
-    # hint: the angle of position m and frequency i is m·ω_i, ω = rope_inv_freq (float32 whatever the dtype):
-    #   (T, hd/2), repeated along the last dimension to (T, hd) since apply_rotary pairs x_i with x_{i+hd/2};
-    #   return cos and sin in `dtype`.
+    # hint: RoFormer (Su et al. 2021) §3.2: position m turns pair i by the angle m·ω_i, the frequencies ω_i
+    #   from `rope_inv_freq`, in float32 whatever the dtype; apply_rotary reads one angle per dimension,
+    #   pairing dimension i with i + hd/2.
     # test: tests/test_single_gpu.py::test_rotary_embedding_turns_each_pair_by_position_times_frequency
     inv_freq = rope_inv_freq(config, position_ids.device)                # (hd/2,)
     angles = position_ids.float()[:, None] * inv_freq[None, :]            # (T, hd/2)

@@ -41,8 +41,8 @@ def average_gradients(params, group):
     if size == 1:                           # nothing to average (e.g. 08 with cp = dp = 1)
         return
     # exercise 02.2: averaging the gradients
-    # hint: every gradient that exists, all-reduced (SUM) in place over `group`, then divided by the group's
-    #   size (gloo has no AVG).
+    # hint: the gradient of the global batch's mean loss is the mean of the ranks' gradients ([PB] §2.2; 02's
+    #   README, "Three ways to average"); gloo's all-reduce has no AVG; a parameter may have no gradient.
     # test: tests/test_data_parallel.py::test_average_gradients_two_ranks
     for p in params:
         if p.grad is not None:
@@ -108,8 +108,15 @@ class OverlapDataParallel(DataParallel):
         if not self.require_backward_grad_sync or p.grad is None:
             return
         self.events += [("grad", i), ("launch", len(self.pending))]
+        # exercise 02.3: the overlapped all-reduce
+        # hint: [PB] §2.2, "overlap gradient synchronization with backward": this hook runs as soon as p's
+        #   gradient is complete, while backward goes on; a collective issued asynchronously
+        #   returns a handle to wait on later (02's README, "Three ways to average"); finish_gradients waits
+        #   for every one, then makes the sums means.
+        # test: tests/test_data_parallel.py::test_overlap_launches_each_all_reduce_from_its_gradient_hook
         work = dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)  # (*p.shape)
         self.pending.append((work, p))
+        # end exercise
 
     def finish_gradients(self):
         self.events.append(("finish", None))
@@ -118,8 +125,10 @@ class OverlapDataParallel(DataParallel):
             if p.grad is not None and id(p) not in launched:   # backward (08: accumulated earlier)
                 self._grad_ready(p, i)
         for work, p in self.pending:                # the last launches may still be in flight
+            # exercise 02.3
             work.wait()
             p.grad.div_(self.size)
+            # end exercise
         self.pending.clear()
         self._end_step()
 
@@ -171,17 +180,26 @@ class BucketDataParallel(DataParallel):
         # autograd runs the hook on no gradient too
         if not self.require_backward_grad_sync or p.grad is None:
             return
+        self.events.append(("grad", i))
+        # exercise 02.4: the bucketed all-reduce
+        # hint: [PB] §2.2, "Second optimization: bucketing gradients": one collective per bucket, not per
+        #   gradient; p's gradient goes into its place in the bucket's flat buffer, which .grad then is (the
+        #   optimizer reads the mean there), and the bucket leaves when its last gradient has arrived.
+        # test: tests/test_data_parallel.py::test_buckets_launch_when_full_and_average_every_gradient
+        # level: 2
         bucket.view_of(j).copy_(p.grad)
         p.grad = bucket.view_of(j)                  # the optimizer reads the averaged bucket
         bucket.copied.add(j)
-        self.events.append(("grad", i))
         if len(bucket.copied) == len(bucket.params):
             self._launch(bucket)
+        # end exercise
 
     def _launch(self, bucket):
         self.events.append(("launch", self.launched))
         self.launched += 1
+        # exercise 02.4
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        # end exercise
 
     def finish_gradients(self):
         self.events.append(("finish", None))
@@ -190,11 +208,13 @@ class BucketDataParallel(DataParallel):
                 for j, p in enumerate(bucket.params):
                     if j in bucket.copied:
                         continue
+                    # exercise 02.4
                     if p.grad is None:
                         bucket.view_of(j).zero_()
                     else:                           # 08: accumulated before the synchronising pass
                         bucket.view_of(j).copy_(p.grad)
                     p.grad = bucket.view_of(j)
+                    # end exercise
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()

@@ -46,9 +46,15 @@ def grid_layout(world_size: int, dp: int = 1, pp: int = 1, cp: int = 1, tp: int 
 
 def _groups_along(grid, dims):
     """All rank lists that vary only along `dims` (the other coordinates fixed), in a fixed order."""
+    # exercise 02.5: the process grid's groups
+    # hint: [PB] §4.1, Llama 3's 4D layout (02's README, "The process grid"): the ranks of one group share
+    #   every coordinate of the (dp, pp, cp, tp) grid but those along `dims`; a permute can bring those
+    #   dimensions last, so each group is one row.
+    # test: tests/test_5d_combined.py::test_llama3_sixteen_rank_groups
     keep = [d for d in range(grid.dim()) if d not in dims]
     moved = grid.permute(*keep, *dims)                                      # (...kept, ...varying)
     return moved.reshape(-1, int(torch.tensor([grid.shape[d] for d in dims]).prod())).tolist()
+    # end exercise
 
 
 @dataclass(frozen=True)

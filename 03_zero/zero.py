@@ -108,10 +108,8 @@ class ZeRO(data_parallel.GradientSyncSwitch):
         if self.stage == 1:     # one reduce-scatter per unit, in place: slice r of grad_full
             self.before_reduce([p for u in self.units for p in u.params])
             # exercise 03.1: ZeRO-1: reduce-scatter the gradients, all-gather the shards
-            # hint: finish_gradients: for every unit, an async reduce-scatter (comm.reduce_scatter_flat) of
-            #   its flat gradient grad_full (U,) into its own slice [lo, hi), then wait for them all;
-            #   gather_shards: for every unit, an async all-gather (comm.all_gather_flat) of its shard (U/N,)
-            #   into full (U,), then wait.
+            # hint: ZeRO §5.1 (03's README, "How it works"): a rank needs only its slice [lo, hi) of the
+            #   summed gradient, then every rank's new slice; comm.py's flat collectives, all in flight.
             # test: tests/test_zero.py::test_zero1_step_equals_adamw_on_the_whole_batch
             works = [comm.reduce_scatter_flat(u.grad_full[u.lo:u.hi], u.grad_full, group=self.group,
                                               async_op=True) for u in self.units]           # (U,) -> (U/N,)
@@ -166,10 +164,16 @@ class ZeRO(data_parallel.GradientSyncSwitch):
             # when it ends (as DDP does); pipelined, the step's other passes may still add to it
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.callback_queued = True
-        unit.ready += 1
         self.events.append(("grad", unit.index))
+        # exercise 03.2: ZeRO-2: reduce-scatter each unit's gradients in backward
+        # hint: ZeRO §5.2 (03's README, "How it works"): a unit leaves once backward has produced all its
+        #   parameters' gradients, while backward goes on, one reduce-scatter in flight; `_retire` adds the
+        #   slice that comes back into the unit's shard gradient, where the micro-batches accumulate.
+        # test: tests/test_zero.py::test_zero2_step_equals_adamw_on_the_whole_batch
+        unit.ready += 1
         if unit.ready == len(unit.params):
             self._reduce_scatter(unit)
+        # end exercise
 
     def _reduce_scatter(self, unit):
         self.before_reduce(unit.params)       # on .grad, or bf16-20's fp32 main_grad (01's main_grad)
@@ -178,8 +182,10 @@ class ZeRO(data_parallel.GradientSyncSwitch):
             unit.free()                       # backward through this unit is over
         self._retire(keep=0)                  # at most one reduce-scatter in flight
         self.events.append(("reduce_scatter", unit.index))
+        # exercise 03.2
         work = comm.reduce_scatter_flat(flat[unit.lo:unit.hi], flat, group=self.group, async_op=True)
         self.in_flight.append((work, unit, flat))                             # (U,) -> (U/N,)
+        # end exercise
 
     def _retire(self, keep):
         while len(self.in_flight) > keep:
@@ -203,9 +209,15 @@ class ZeRO(data_parallel.GradientSyncSwitch):
         """Issue the async all-gather of unit's parameters (stage 3), unless present or in flight."""
         if unit.gathered or unit.gather_work is not None:
             return
+        # exercise 03.3: ZeRO-3: gather each unit before its use, prefetch the next
+        # hint: ZeRO §5.3 (03's README, "How it works"): a unit's parameters exist from an all-gather before
+        #   its forward and backward until freed (no storage); the neighbour's, one unit ahead, overlaps.
+        # test: tests/test_zero.py::test_zero3_step_equals_adamw_on_the_whole_batch
+        # level: 2
         unit.full.untyped_storage().resize_(unit.padded * unit.full.element_size())
         unit.gather_work = comm.all_gather_flat(unit.full, self._shard_on_device(unit), group=self.group,
                                                 async_op=True)                 # (U/N,) -> (U,)
+        # end exercise
         self.events.append(("gather_issued", unit.index))
         self.gathered_bytes = sum(u.padded * u.full.element_size() for u in self.units
                                   if u.gathered or u.gather_work is not None)
@@ -230,10 +242,12 @@ class ZeRO(data_parallel.GradientSyncSwitch):
 
     def _before(self, unit, direction):
         """Forward (+1) / backward (−1) pre-hook: have this unit, prefetch the next one."""
+        # exercise 03.3
         self._materialize(unit)
         neighbour = unit.index + direction
         if 0 <= neighbour < len(self.units):
             self._gather(self.units[neighbour])
+        # end exercise
         self.events.append(("forward" if direction > 0 else "backward", unit.index))
 
     def gather_shards(self):

@@ -54,9 +54,10 @@ class CopyToTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # exercise 04.1: Megatron's f and f̄
-        # hint: f (copy_to_tp_region) is the identity forward and sums dL/dX over the group backward; f̄
-        #   (reduce_from_tp_region) sums a copy of the partial outputs over the group forward and is the
-        #   identity backward. A backward returns one gradient per forward input (None for the group).
+        # hint: [MEG] §3 Fig. 3 (04's README, "Derivations"): each rank's column shard gives only its part of
+        #   dL/dX, and each row shard only a partial Y; the other direction of each needs nothing. An
+        #   all-reduce works in place, so it must not overwrite a tensor autograd still holds. A backward
+        #   returns one gradient per forward input.
         # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[f-and-f-bar]
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp

@@ -184,10 +184,16 @@ def clip_grad_norm_tp(params, max_norm, tp_group, pp_group=None):
     replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_sharded", False)]
     dtype = torch.promote_types(grads[0].dtype, torch.float32)     # bf16 grads are summed in fp32
     zero = torch.zeros((), dtype=dtype, device=grads[0].device)
+    # exercise 04.4: the gradient norm over tensor-parallel shards
+    # hint: the formula of the docstring (04's README, "Derivations"), in `dtype`: only the sharded part
+    #   needs a sum over tp; a kv head that kv_replication.py keeps on r ranks (its `kv_replicas`) would be
+    #   counted r times.
+    # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[clip]
     # a kv head replicated on r ranks (tp > kv heads) is summed r times over tp: count it 1/r each time
     sharded_sq = sum((p.grad.to(dtype).pow(2).sum() / getattr(p, "kv_replicas", 1) for p in sharded), zero)
     dist.all_reduce(sharded_sq, group=tp_group)                     # scalar: Σ over the tp shards
     squares = sharded_sq + sum((g.to(dtype).pow(2).sum() for g in replicated), zero)
+    # end exercise
     if pp_group is not None:
         dist.all_reduce(squares, group=pp_group)                    # scalar: Σ over the stages
     total = squares.sqrt()

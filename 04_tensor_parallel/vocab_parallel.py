@@ -38,11 +38,18 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group, self.exit_region = tp_group, exit_region
 
     def forward(self, input_ids):                                          # (B, T)
+        # exercise 04.2: the vocab-parallel embedding
+        # hint: [PB] §2.3, "a row-linear over the vocabulary" (04's README, "Derivations"): a one-hot row
+        #   times the embedding is a lookup, and the rows are split over the ranks, so each rank looks up
+        #   the ids in its range [vocab_start, vocab_start + V/t) (any other id must still be a valid
+        #   index) and contributes nothing for the others; the exit region sums over tp.
+        # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[embedding]
         local = input_ids - self.vocab_start
         foreign = (local < 0) | (local >= self.weight.shape[0])             # ids another rank owns
         x = F.embedding(local.masked_fill(foreign, 0), self.weight)         # (B, T, C)
         x = x.masked_fill(foreign[..., None], 0.0)                          # only the owner contributes
         return self.exit_region(x, self.tp_group)                           # (B, T, C) summed over tp
+        # end exercise
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -54,11 +61,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, group):                  # (N, V/t), (N,)
-        # exercise 04.2: vocab-parallel cross-entropy
-        # hint: the logits stay sharded (N, V/t): the global max (all-reduce MAX), Σ exp(z − max) over the
-        #   whole vocabulary (all-reduce SUM) and the label's shifted logit, which only its owner has
-        #   (all-reduce SUM); loss = mean over the valid labels of log Σexp − target; save what backward
-        #   reads.
+        # exercise 04.3: vocab-parallel cross-entropy
+        # hint: Megatron-LM §3 and the loss formula of this module's docstring (04's README, "Derivations"):
+        #   the logits stay sharded; the softmax needs the max and the sum of exponentials over the whole
+        #   vocabulary, and the target's logit lives on one rank only (three all-reduces of N numbers);
+        #   the mean runs over the labels that are not IGNORE_INDEX; save what backward reads.
         # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[model]
         logits_max = logits.max(dim=-1).values                             # (N,)
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)     # (N,) global max

@@ -79,10 +79,16 @@ class AllGatherKVAttention:
         compute = torch.promote_types(q.dtype, torch.float32)              # the ring's rule: lse in fp32+
         with torch.autocast(q.device.type, enabled=False):
             kv = torch.stack([k.to(compute), v.to(compute)])               # (2, B, nkv, T/cp, hd)
+            # exercise 05.4: all-gathered K/V
+            # hint: Llama 3 §3.3.2, [PB] §2.5 (05's README, "All-gathered K/V"): gather every rank's K/V once
+            #   and attend the local queries to all of it; dK/dV then come back as a sum over cp, each rank's
+            #   for its own tokens: 05.1's g does both, along the dimension it gathers (the sequence here).
+            # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[allgather]
             # all-gather along T forward, reduce-scatter of dK/dV backward: SP's g on the cp group
             kv = sequence_parallel.GatherFromSPRegion.apply(kv.transpose(1, 3), self.cp_group)   # along dim 1
             kv = kv.transpose(1, 3)                                        # (2, B, nkv, T, hd), rank order
             out = LocalQueryAttention.apply(q.to(compute), kv, self.layout, dist.get_rank(self.cp_group))
+            # end exercise
         return out.to(q.dtype)
 
 

@@ -48,7 +48,16 @@ class CPLayout:
 
     def chunk_ids(self, rank):
         """Which equal chunks of the sequence rank `rank` holds, in order."""
-        return (rank, 2 * self.cp_size - 1 - rank) if self.zigzag else (rank,)
+        if self.zigzag:
+            # exercise 05.2: the zig-zag layout
+            # hint: [PB] §2.5.2, Brandon et al. 2023 (05's README, "Ring attention", its layouts): cut the
+            #   sequence into 2·cp chunks; a causal query chunk's work grows with its position, so a rank that
+            #   takes one chunk from the start takes its mirror from the end.
+            # test: tests/test_context_parallel.py::test_zigzag_gives_every_rank_the_same_tiles
+            # hides: "rank r holds chunks r and 2cp−1−r of 2cp"
+            return (rank, 2 * self.cp_size - 1 - rank)
+            # end exercise
+        return (rank,)
 
     def positions(self, rank, seq_len, device=None):
         """(T/cp,) positions of rank's tokens: index its inputs/labels and its RoPE angles."""
@@ -156,11 +165,11 @@ class RingAttentionFunction(torch.autograd.Function):
         n = len(layout.chunk_ids(rank))
         q_chunks = q.chunk(n, dim=2)                                       # n × (B, nh, c, hd)
         outs, lses = [None] * n, [None] * n
-        # exercise 05.1: ring attention
-        # hint: for step 0…cp−1: start ring_shift of the stacked K/V block in hand (not at the last step),
-        #   attend to it the tiles _tiles(layout, rank, (rank − step) mod cp) lists, tile_forward each and
-        #   merge it into outs[i], lses[i] (online softmax), then wait for the transfer and take the received
-        #   block.
+        # exercise 05.3: ring attention
+        # hint: Liu et al. 2023, [PB] §2.5.1 (05's README, "Ring attention"): the K/V blocks travel round the
+        #   ring one hop per step, the next hop overlapped with the tiles of the block in hand (`_tiles`
+        #   says which, and whose block it is); each tile's partial attention merges into its query chunk's
+        #   by the online-softmax rule.
         # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[ring]
         kv = torch.stack([k, v])                                           # (2, B, nkv, T/cp, hd)
         for step in range(size):

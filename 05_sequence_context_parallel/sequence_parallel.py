@@ -32,11 +32,18 @@ import tensor_parallel
 
 def reduce_scatter_along(x, dim, group):
     """(…, n, …) partial on each rank -> (…, n/t, …): this rank's slice of the sum over the group."""
+    # exercise 05.1: sequence parallelism's g and ḡ
+    # hint: Korthikanti et al. §4.2.2, [PB] §2.4 (05's README, "Sequence parallelism"): an all-reduce is a
+    #   reduce-scatter then an all-gather, so TP's f and f̄ split into a pair whose forward and backward are
+    #   those two along the sequence; a flat reduce-scatter (comm.py) hands out consecutive pieces, and
+    #   mappings.all_gather_along is the other half.
+    # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[sp]
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()                                 # (n, …)
     out = torch.empty(moved.shape[0] // size, *moved.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter_flat(out.view(-1), moved.view(-1), group=group)   # (n/t, …)
     return out.movedim(0, dim).contiguous()
+    # end exercise
 
 
 class GatherFromSPRegion(torch.autograd.Function):
@@ -46,11 +53,15 @@ class GatherFromSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # exercise 05.1
         return mappings.all_gather_along(x, 1, group)
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise 05.1
         return reduce_scatter_along(grad, 1, ctx.group), None
+        # end exercise
 
 
 class ReduceScatterToSPRegion(torch.autograd.Function):
@@ -60,11 +71,15 @@ class ReduceScatterToSPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # exercise 05.1
         return reduce_scatter_along(x, 1, group)
+        # end exercise
 
     @staticmethod
     def backward(ctx, grad):
+        # exercise 05.1
         return mappings.all_gather_along(grad, 1, ctx.group), None
+        # end exercise
 
 
 def gather_from_sp_region(x, group):

@@ -35,11 +35,10 @@ def _all_to_all(x, group):
 def seq_to_heads(x, group):   # (B, h, T/cp, hd) -> (B, h/cp, cp·T/cp, hd), tokens in rank order
     cp = dist.get_world_size(group)
     B, h, t, hd = x.shape
-    # exercise 05.2: Ulysses all-to-all
-    # hint: seq_to_heads: split the heads into cp groups and put the group first (group i goes to rank i),
-    #   _all_to_all, then lay the source ranks' tokens side by side: (B, h/cp, cp·t, hd). heads_to_seq undoes
-    #   it: the tokens as cp blocks first (block j goes back to rank j), _all_to_all, the head groups in
-    #   order.
+    # exercise 05.5: Ulysses all-to-all
+    # hint: Jacobs et al. 2023, [PB] §2.5 (05's README, "Ulysses"): attention is independent per head, so
+    #   one all-to-all can trade the sequence shard for a head shard: rank i receives head group i of every
+    #   rank's tokens, which lie side by side in rank order; heads_to_seq is the inverse.
     # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[ulysses]
     blocks = x.view(B, cp, h // cp, t, hd).transpose(0, 1)                 # (cp: head group, B, h/cp, t, hd)
     received = _all_to_all(blocks, group)                                  # (cp: source rank, B, h/cp, t, hd)
@@ -50,7 +49,7 @@ def seq_to_heads(x, group):   # (B, h, T/cp, hd) -> (B, h/cp, cp·T/cp, hd), tok
 def heads_to_seq(x, group):   # (B, h/cp, cp·T/cp, hd) -> (B, h, T/cp, hd): the inverse
     cp = dist.get_world_size(group)
     B, hc, T, hd = x.shape
-    # exercise 05.2
+    # exercise 05.5
     blocks = x.view(B, hc, cp, T // cp, hd).permute(2, 0, 1, 3, 4)         # (cp: dest rank, B, h/cp, t, hd)
     received = _all_to_all(blocks, group)                                  # (cp: head group, B, h/cp, t, hd)
     return received.transpose(0, 1).reshape(B, cp * hc, T // cp, hd)

@@ -49,8 +49,10 @@ def train_step_1f1b(pipe, micro_batches):
     pipe.begin(micro_batches)
     m = pipe.m
     # exercise 06.1: the 1F1B schedule
-    # hint: warm-up: p − rank − 1 forwards (at most m); steady state: the forward of the next micro-batch,
-    #   then the backward of the oldest one held, until every forward has run; cool-down: the backwards left.
+    # hint: [PB] §2.6 "One-forward-one-backward" (06's README, "The schedules"): a stage starts its first
+    #   backward as soon as the last stage can have sent its gradient back, and from then on alternates,
+    #   so it never holds more than p − rank micro-batches; AFAB above is the same passes in another order.
+    #   ZB-H1 below runs the same order, its backward split (its B, then the due Ws).
     # test: tests/test_pipeline.py::test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank
     warmup = min(pipe.p - pipe.rank - 1, m)   # later stages start backward sooner
     # === warm-up ===
@@ -73,8 +75,15 @@ def train_step_1f1b(pipe, micro_batches):
 def interleaved_order(k: int, p: int, chunks: int, forward: bool):
     """(micro-batch, chunk) of the k-th forward (or backward) pass of a rank: groups of p
     micro-batches go through chunk 0, then chunk 1, …; backward runs the chunks in reverse."""
+    # exercise 06.2: the interleaved 1F1B order
+    # hint: Megatron-LM §2.2.2 (06's README, "The schedules"): a rank's passes come in rounds of p·V; in a
+    #   round, p consecutive micro-batches go through each of the rank's V chunks in turn (the last chunk
+    #   first when going backward); the warm-up of train_step_interleaved is Megatron's.
+    # test: tests/test_pipeline.py::test_interleaved_order_replays_to_the_theory_bubble
+    # level: 2
     chunk = (k % (p * chunks)) // p
     return (k // (p * chunks)) * p + k % p, chunk if forward else chunks - 1 - chunk
+    # end exercise
 
 
 def train_step_interleaved(pipe, micro_batches):
@@ -108,7 +117,9 @@ def train_step_zb_h1(pipe, micro_batches):
         raise ValueError("train_step_zb_h1 needs Pipeline(..., split_backward=True): its B defers dW to W")
     pipe.begin(micro_batches)
     m, lag = pipe.m, pipe.rank
+    # exercise 06.1
     warmup = min(pipe.p - pipe.rank - 1, m)
+    # end exercise
     deferred = []
 
     def input_gradient_then_due_weights(i):
@@ -116,6 +127,7 @@ def train_step_zb_h1(pipe, micro_batches):
         deferred.append(i)
         while len(deferred) > lag:
             pipe.backward_weight(deferred.pop(0))
+    # exercise 06.1
     # === warm-up ===
     for i in range(warmup):
         pipe.forward(i)
@@ -126,6 +138,7 @@ def train_step_zb_h1(pipe, micro_batches):
     # === cool-down: B, W ===
     for i in range(m - warmup, m):
         input_gradient_then_due_weights(i)
+    # end exercise
     # === the last deferred Ws fill the end of the step ===
     for i in deferred:
         pipe.backward_weight(i)

@@ -73,6 +73,13 @@ def dualpipev_order(p: int, rank: int, m: int) -> list:
         if op == "I":
             deferred.append((counts[kind, chunk], chunk))
         counts[kind, chunk] += 1
+    # exercise 06.4: DualPipeV's order
+    # hint: DeepSeek-V3 §3.2.1 and Fig. 5, deepseek-ai/DualPipe's DualPipeV (06's README, "V-shaped
+    #   schedules"): eight phases per rank, the counts of each set by p and rank; in the main phase every F
+    #   of one chunk is paired with a whole backward of the other; the last phases defer Ws to fill the
+    #   cool-down. torch.distributed.pipelining's ScheduleDualPipeV builds the same order.
+    # test: tests/test_v_schedules.py::test_orders_match_torch_pipelining[dualpipev]
+    # level: 2
     # === 1: chunk 0 forwards (nF0) ===
     for _ in range(2 * (p - rank - 1)):
         add("F", 0)
@@ -101,6 +108,7 @@ def dualpipev_order(p: int, rank: int, m: int) -> list:
     # === 8: the remaining Ws ===
     for _ in range(rank + 1):
         add("W")
+    # end exercise
     return order
 
 

@@ -89,12 +89,19 @@ class SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):                         # dy (…, out)
         x, w = ctx.saved_tensors
+        # exercise 06.3: zero bubble's B and W
+        # hint: Qi et al. 2023 §2 (06's README, "Zero bubble: B and W"): of a linear layer's two backward
+        #   matmuls only dX is on the critical path; dW waits in the store while it is collecting (a B
+        #   pass) and enters .grad through accumulate_grad either way; the Function returns one gradient
+        #   per forward input.
+        # test: tests/test_zero_bubble.py::test_split_linear_under_bf16_autocast_matches_f_linear
         if ctx.weight.requires_grad:
             if ctx.store.collecting is not None:
                 ctx.store.queues[ctx.store.collecting].append((ctx.weight, x, dy))
             else:
                 accumulate_grad(ctx.weight, weight_gradient(x, dy).to(ctx.weight.dtype))
         return dy @ w, None, None, None            # (…, out)·(out, in) -> (…, in)
+        # end exercise
 
 
 def split_linear(x, weight, store):

@@ -62,10 +62,11 @@ class AllToAll(torch.autograd.Function):
 
 def expert_parallel_experts(experts, rows, counts, group):
     """The MoE block's experts_fn under EP: rows (n, C) grouped by expert, counts (E,) -> (n, C)."""
-    # exercise 07.2: all-to-all dispatch
-    # hint: exchange the counts (ep, E/ep) with all_to_all_rows; send the rows to their experts' owners with
-    #   AllToAll (splits: rows to and from each rank); group the received rows by local expert (a stable
-    #   argsort), run_experts, undo the grouping, and AllToAll the outputs back with the splits swapped.
+    # exercise 07.4: all-to-all dispatch
+    # hint: GShard §2.2, [PB] §2.7 (07's README, "Expert parallelism": counts, dispatch, combine): a rank
+    #   must learn how many rows it will receive before it can receive them; the rows arrive grouped by
+    #   source rank, while the local experts want them grouped by expert (and given back in the order
+    #   they came); the combine is the dispatch reversed.
     # test: tests/test_expert_parallel.py::
     #   test_ep2_layer_twin_and_dp2_ep2_matches_single_device[layer-twin-ep2]
     ep = dist.get_world_size(group)

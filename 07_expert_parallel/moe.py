@@ -124,6 +124,7 @@ class MoE(nn.Module):
         self.shared_experts = (modeling.MLP(dataclasses.replace(
             config, intermediate_size=shared_experts * config.intermediate_size)) if shared_experts else None)
         self.dropped = 0                    # rows over capacity in the last forward (a statistic for the log)
+        self.load = None                    # (E,) rows each expert computed in the last forward (the same)
         self.experts_fn = run_experts                                      # EP swaps in the all-to-all
         self.stats_group = None             # 08's cp group: the ranks that split each sequence's tokens
 
@@ -142,11 +143,11 @@ class MoE(nn.Module):
 
     def forward(self, x):  # (B, T, C)
         B, T, C = x.shape
-        # exercise 07.1: top-k routing
-        # hint: p = softmax(gate(x)) over the experts, logits and p in float32 (the z-loss reads the logits);
-        #   the top k; the weights p/Σ_k p (k ≥ 2) or p itself (k = 1). After the experts: each computed row
-        #   back at its (token, choice) place (index_copy by `order`; a dropped row stays 0), and the weighted
-        #   sum of a token's k choices.
+        # exercise 07.2: top-k routing
+        # hint: Mixtral and Switch §2.1 (07's README, "The MoE block", its formulas): the router's
+        #   probabilities in float32 (the z-loss reads the logits too), the k experts each token goes to and
+        #   their weights; after the experts, each computed row back at its (token, choice) place (`order`
+        #   says where; a dropped row contributes nothing) and the weighted sum of a token's choices.
         # test: tests/test_expert_parallel.py::
         #   test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence
         logits = self.gate(x)                                                # (B, T, E)
@@ -165,11 +166,12 @@ class MoE(nn.Module):
             order = expert_of_row.argsort(stable=True)                       # (n,) rows grouped by expert
         self.dropped = expert_of_row.numel() - order.numel()
         counts = expert_of_row[order].bincount(minlength=self.num_experts)   # (E,)
+        self.load = counts
         rows = x.reshape(B * T, C)[order // self.top_k]                      # (n_kept, C): each row's token
         if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls would cast anyway: cast
             rows = rows.to(torch.get_autocast_dtype(x.device.type))   # before EP ships them (bf16 bytes)
         out = self.experts_fn(self.experts, rows, counts)                    # (n_kept, C), grouped by expert
-        # exercise 07.1
+        # exercise 07.2
         out = out.new_zeros(expert_of_row.numel(), C).index_copy(0, order, out)   # (n, C), token order
         y = (weights.to(out.dtype).unsqueeze(-1) * out.view(B, T, self.top_k, C)).sum(dim=2)   # (B, T, C)
         # end exercise
@@ -272,6 +274,13 @@ def extras(args) -> dict:
 def dropped_rows(model) -> int:
     """Rows (token-choices) over capacity in every MoE block's last forward."""
     return sum(block.dropped for block in moe_blocks(model))
+
+
+def load_lines(model) -> list:
+    """Rows each expert computed in every MoE block's last forward on this rank, one line per layer: what
+    the load-balancing loss evens out."""
+    return [f"  layer {i}: " + " ".join(str(int(n)) for n in block.load)
+            for i, block in enumerate(moe_blocks(model)) if block.load is not None]
 
 
 def dropped_line(dropped: int, rows: int, capacity_factor: float, steps: int) -> str:

@@ -54,10 +54,17 @@ def within_capacity(chosen, capacity: int, num_experts: int):
     before any second choice (GShard's top-2 order), then position in the sequence.
     """
     B, T, k = chosen.shape
+    # exercise 07.3: the capacity factor
+    # hint: Switch §2.2, GShard §2.2 (07's README, Reference, "MoE as used today"): line up each sequence's
+    #   rows in priority order; a row is kept when fewer than `capacity` rows before it chose the same
+    #   expert (a running count per expert: a cumulative sum of one-hot rows).
+    # test: tests/test_expert_parallel.py::
+    #   test_capacity_drops_per_sequence_first_choices_first_and_shared_experts_add
     queue = chosen.transpose(1, 2).reshape(B, k * T)                         # (B, k·T): choice-major
     onehot = torch.nn.functional.one_hot(queue, num_experts)                 # (B, k·T, E)
     place = (onehot.cumsum(dim=1) - 1).gather(2, queue.unsqueeze(-1)).squeeze(-1)   # (B, k·T): 0, 1, …
     return (place < capacity).view(B, k, T).transpose(1, 2)                  # (B, T, k)
+    # end exercise
 
 
 def load_balancing_loss(probs, chosen, stats_group=None):
@@ -68,6 +75,11 @@ def load_balancing_loss(probs, chosen, stats_group=None):
     """
     B, T, E = probs.shape
     k = chosen.shape[-1]
+    # exercise 07.1: the load-balancing loss
+    # hint: Switch §2.2, the aux formula of this module's docstring (07's README, "Load balancing"): per
+    #   sequence, f counts the choices (no gradient), P averages the probabilities (the gradient's path);
+    #   under a `stats_group` both are sums over its ranks first (SumOverRanks for P) and T grows with it.
+    # test: tests/test_expert_parallel.py::test_load_balancing_loss_is_switchs_per_sequence_formula
     ones = probs.new_ones(B, T * k)
     routed = probs.new_zeros(B, E).scatter_add_(1, chosen.view(B, T * k), ones)   # (B, E) choices per expert
     prob_sum = probs.sum(dim=1)                                              # (B, E)
@@ -78,3 +90,4 @@ def load_balancing_loss(probs, chosen, stats_group=None):
     f = routed / (T * k)                                                     # (B, E), rows sum to 1
     P = prob_sum / T                                                         # (B, E)
     return E * (f * P).sum(-1).mean()
+    # end exercise

@@ -131,6 +131,11 @@ def run(args, config, dataset, grid):
                           steps=len(records)))
     if args.capacity_factor and records:
         log_dropped(dropped, args, config, grid)
+    if grid.rank == 0 and records:
+        rows = args.mbs * args.seq_len * args.top_k
+        print(f"expert load in the last forward on rank 0 (rows per expert; {rows} rows a layer, "
+              f"{rows / args.num_experts:g} each if balanced):")
+        print("\n".join(moe.load_lines(model)))
     return records, model, meter
 
 

@@ -84,9 +84,15 @@ def model_states(params: float, n: int, zero_stage: int, precision: str = "mixed
     ZeRO-2/3 keep the gradient shard in the dtype it is reduce-scattered in: bf16-20's fp32 buffer (4 bytes),
     not its bf16 .grad beside it (03's flat_unit.py frees both full-size copies at the reduce-scatter)."""
     w, g, o = STATE_BYTES[precision]
+    # exercise 08.1: ZeRO's memory per rank
+    # hint: ZeRO §5.1, [PB] §2.2 (03's README, "How it works"; 08's, "The planner"): bytes per parameter
+    #   of weights, gradients and optimizer states by precision, each stage dividing one more of the three
+    #   by n; the gradient a stage keeps sharded is the one it reduce-scatters.
+    # test: tests/test_5d_combined.py::test_planner_zero_paper_example
     g = GRADIENT_WIRE_BYTES[precision] if zero_stage >= 2 else g
     return (w * params / (n if zero_stage >= 3 else 1), g * params / (n if zero_stage >= 2 else 1),
             o * params / (n if zero_stage >= 1 else 1))
+    # end exercise
 
 
 def loss_stage(layout: Layout) -> int:
@@ -218,7 +224,7 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
     h, e = config.hidden_size, ACTIVATION_BYTES[layout.precision]
     h_kv = config.num_key_value_heads * config.head_dim
     n, tokens = layout.dp * layout.cp, mbs * seq_len // layout.cp
-    # exercise 08.1: overlap ratios
+    # exercise 08.3: overlap ratios
     # hint: t_comm/t_compute of every dimension whose degree is above 1 (App. 5.3): the bytes a rank sends
     #   over the bandwidth, against the FLOPs that can hide them over the peak; the forms term by term are in
     #   08_5d_combined/README.md (dp: erratum E6, tp: E9).

@@ -68,12 +68,19 @@ def layer_flops(config, seq_len: int, recompute: str, num_experts: int = 0, top_
     h, f, s = config.hidden_size, config.intermediate_size, seq_len
     h_kv = config.num_key_value_heads * config.head_dim
     gpt = getattr(config, "architecture", "llama") == "gpt"
+    # exercise 08.2: Megatron's FLOPs per token
+    # hint: Megatron-LM §5.1's F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full recomputation, taken
+    #   apart (08's README, "The search, in detail", FLOPs): 2 FLOPs per weight a token multiplies forward,
+    #   twice that backward, QKᵀ and AV over the whole sequence, and what each recomputation mode runs
+    #   again; a GPT MLP has two matrices, a SwiGLU three, an MoE layer a router and k experts.
+    # test: tests/test_published_numbers.py::test_megatron_flops_per_iteration_and_throughput
     dense = 2 * (2 * h * h + 2 * h * h_kv) + 4 * s * h                       # q, o, k, v; QKᵀ, AV
     mlp = 2 * (2 if gpt else 3) * h * f
     expert = top_k * mlp if num_experts else 0
     dense += 2 * h * num_experts if num_experts else mlp                     # the router, or the dense MLP
     extra = {"none": (0, 0), "selective": (4 * s * h, 0), "full": (dense, expert)}[recompute]
     return 3 * dense + extra[0], 3 * expert + extra[1]
+    # end exercise
 
 
 def flops_per_token(config, seq_len: int, recompute: str, num_experts: int = 0, top_k: int = 1) -> float:

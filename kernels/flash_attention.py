@@ -77,11 +77,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             s = tl.where(valid, s, -float("inf"))
-        # exercise K.5: FlashAttention's online softmax
-        # hint: per key block, in log2 units: the new running max, alpha = exp2(old max − new max) to rescale
-        #   l_i and acc, p = exp2(s − new max), l_i and acc updated with p (tl.dot(p in v's dtype, v)), the
-        #   max kept.
-        # test: tests/test_kernels.py::test_flash_attention_gqa
+        # exercise K.6: FlashAttention's online softmax
+        # hint: kernels/README.md, FlashAttention-2 (its loop over key blocks; Dao 2023 Algorithm 1): a
+        #   running row max, denominator and numerator, the older two rescaled whenever the max grows; here
+        #   in log2 units (q carries scale·log2 e, so exp2), p in v's dtype for the product.
+        # test: tests/test_kernels.py::test_flash_attention_forward_is_softmax_attention
         # Online softmax. Key 0 is in the first block and visible to every row, so m_new is finite
         # from the first iteration on, and exp2(-inf - m_new) = 0 for masked entries.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

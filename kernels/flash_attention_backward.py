@@ -65,10 +65,18 @@ def _dkdv_inner(dk, dv, k_scaled, v, q_base, do_base, lse_base, delta_base, stri
             if CAUSAL:
                 valid = valid & (offs_m[None, :] >= offs_n[:, None])
             p_t = tl.where(valid, p_t, 0.0)
+        # exercise K.7: FlashAttention's backward
+        # hint: Dao 2023 Algorithm 2 (kernels/README.md, FlashAttention-2: dV, dP, dS, dK, dQ and Δ): with
+        #   P recomputed above, each tile adds its share to the resident keys' dV and dK (kept as transposes
+        #   here, keys as rows; the scale is applied at the store) and to the resident queries' dQ; the
+        #   products take their operands in the inputs' dtype.
+        # test: tests/test_kernels.py::test_flash_attention_gqa
+        # level: 2
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)            # dV += Pᵀ dO
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)               # dPᵀ = V dOᵀ
         ds_t = p_t * (dp_t - delta[None, :])                                    # dSᵀ = Pᵀ ∘ (dPᵀ - Δ)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)             # dK += dSᵀ Q
+        # end exercise
     return dk, dv
 
 
@@ -147,9 +155,11 @@ def _dq_inner(dq, q_scaled, do, lse, delta, k_base, v_base, stride_kt, stride_vt
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             p = tl.where(valid, p, 0.0)
+        # exercise K.7
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                # dP = dO Vᵀ
         ds = p * (dp - delta[:, None])                                          # dS = P ∘ (dP - Δ)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)               # dQ += dS K
+        # end exercise
     return dq
 
 

@@ -66,9 +66,15 @@ def quantize(x, fmt: str, tile=None):
     x = x.float()
     tile = tile or tuple(x.shape)
     tiles = _tiles(x, tile)                                                     # (R/r, r, C/c, c)
+    # exercise K.9: FP8 scaling per tile
+    # hint: DeepSeek-V3 §3.3.2 (kernels/README.md, "FP8 lab"): one scale per tile maps the tile's largest
+    #   magnitude onto the format's max (an all-zero tile needs a scale too); the values, divided by it,
+    #   kept in range and rounded into the FP8 dtype, are the quantised tensor.
+    # test: tests/test_fp8.py::test_quantization_error_is_within_the_format_bound
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True)                          # (R/r, 1, C/c, 1)
     scale = torch.where(amax > 0, amax / f.max, torch.ones_like(amax))
     q = (tiles / scale).clamp(-f.max, f.max).to(f.dtype)                       # round to nearest even
+    # end exercise
     return q.reshape(x.shape), scale
 
 

@@ -49,9 +49,10 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK
     inv_n = 1.0 / tl.load(N_VALID).to(tl.float32)     # read on the device: no host sync for n_valid
 
     # exercise K.4: cross-entropy's online log-sum-exp
-    # hint: one pass over the row in blocks of BLOCK_V with a running max m and s = Σ exp(x − m): a block that
-    #   raises the max to m' rescales, s = s·exp(m − m') + Σ_block exp(x − m'); then lse = m + log s.
-    # test: tests/test_kernels.py::test_fused_linear_cross_entropy
+    # hint: the online softmax (Milakov & Gimelshein 2018; kernels/README.md, FlashAttention-2's loop): one
+    #   pass over the row in blocks, a running max and a running sum of exponentials, the sum rescaled
+    #   whenever the max grows; the log-sum-exp from the two at the end.
+    # test: tests/test_kernels.py::test_fused_cross_entropy_without_grad_and_chunk_rule
     # Pass 1, online log-sum-exp. Keep the running max m and sum s = Σ exp(x - m). When a block raises
     # the max to m', rescale: s' = s·exp(m - m') + Σ_block exp(x - m'). The result never overflows
     # and needs only one read of the row.
@@ -71,13 +72,21 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK
     target_logit = tl.load(logits_row + safe_target).to(tl.float32)
     tl.store(LOSS + row, tl.where(valid, lse - target_logit, 0.0))
 
-    # Pass 2 (skipped under no_grad): dlogits = (exp(x - lse) - [col == target]) / n_valid, 0 if ignored.
+    # Pass 2 (skipped under no_grad): the gradient of the mean loss, in place of the logits.
     if WRITE_GRAD:
+        # exercise K.5: the fused loss's backward
+        # hint: kernels/README.md, "Fused linear + cross-entropy": the softmax that gives the loss gives
+        #   dloss/dlogits (the mean runs over the n_valid tokens; an ignored one gets none), written over the
+        #   logits; then, per chunk, the chain rule through logits = h·Wᵀ gives dh and adds into dW
+        #   (add_grad_weight: an fp32 accumulator).
+        # test: tests/test_kernels.py::test_fused_linear_cross_entropy
+        # dlogits = (exp(x - lse) - [col == target]) / n_valid, 0 if ignored
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             x = tl.load(logits_row + cols, mask=cols < V, other=0.0).to(tl.float32)
             grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * inv_n
             tl.store(logits_row + cols, tl.where(valid, grad, 0.0).to(LOGITS.dtype.element_ty), mask=cols < V)
+        # end exercise
 
 
 # thinner chunks re-read W (V, C) three times each, and their GEMMs starve the tensor cores
@@ -124,8 +133,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                                                    loss_rows[start:start + chunk], n_valid, V, ignore_index,
                                                    BLOCK_V=block_v, WRITE_GRAD=need_grad, num_warps=8)
             if need_grad:                                         # logits now holds dloss/dlogits
+                # exercise K.5
                 torch.mm(logits, weight, out=grad_hidden[start:start + chunk])           # (chunk, C)
                 add_grad_weight(grad_weight, logits, h_c)                                # (V, C)
+                # end exercise
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss_rows.sum() / n_valid

@@ -41,8 +41,8 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, C, eps, BLOCK_C: tl.constexpr):
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     # exercise K.1: RMSNorm forward kernel
-    # hint: load the row of x and w (masked, in float32); rstd = rsqrt(Σx²/C + eps); round x·rstd to x's dtype
-    #   as Hugging Face does, times w, store y; store rstd, which the backward reads.
+    # hint: Zhang & Sennrich 2019 (01's RMSNorm, v0 above): y = x / RMS(x) · w over one row, summed in
+    #   float32; a masked load covers C below BLOCK_C; the backward reads this row's 1/RMS, so store it.
     # test: tests/test_kernels.py::test_rmsnorm
     x = tl.load(X + row * C + cols, mask=mask, other=0.0).to(tl.float32)     # (BLOCK_C,)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)

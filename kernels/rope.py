@@ -57,8 +57,8 @@ def _rotate(X, OUT, COS, SIN, stride_xt, stride_ot, T, HALF, BLOCK_T: tl.constex
     sin1 = tl.load(SIN + row, mask=mask, other=0.0).to(tl.float32)
     sin2 = tl.load(SIN + row + HALF, mask=mask, other=0.0).to(tl.float32)
     # exercise K.3: RoPE kernel
-    # hint: forward turns each pair: out1 = x1·cos1 − x2·sin1, out2 = x2·cos2 + x1·sin2; BACKWARD applies the
-    #   transpose of that rotation to dy.
+    # hint: kernels/README.md, "RoPE backward": the forward turns each pair (x_i, x_{i+hd/2}) by its angle
+    #   (01's apply_rotary, with rotate_half); the map is linear, so BACKWARD applies its transpose to dy.
     # test: tests/test_kernels.py::test_rope
     if BACKWARD:    # transpose of the rotation: dx1 = dy1·cos1 + dy2·sin2,  dx2 = dy2·cos2 - dy1·sin1
         out1 = x1 * cos1 + x2 * sin2

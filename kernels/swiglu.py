@@ -54,8 +54,8 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, BLOCK: tl.constexpr):
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     # exercise K.2: SwiGLU backward kernel
-    # hint: recompute σ(g) and silu = g·σ; dg = dy·u·dsilu/dg with dsilu/dg = σ·(1 + g·(1 − σ)), du = dy·silu
-    #   (silu rounded to the input dtype, as the forward used it).
+    # hint: y = silu(g)·u (Shazeer 2020): the product rule, silu's derivative σ(g)·(1 + g·(1 − σ(g))),
+    #   silu recomputed rather than stored; the forward rounded silu to the input dtype before the product.
     # test: tests/test_kernels.py::test_swiglu
     sig = tl.sigmoid(g)                                   # recomputed: cheaper than storing silu(g)
     silu = g * sig

@@ -40,12 +40,19 @@ def _cases(xml_path: Path) -> dict:
     return cases
 
 
+def raised(text: str) -> str:
+    """What a failure raised: the message, and the `E ` lines of pytest's report, not the source lines it
+    quotes (an interpreted Triton kernel's listing holds the guarded stubs of other exercises)."""
+    message, _, report = text.partition("\n")
+    return "\n".join([message, *(line for line in report.splitlines() if line.startswith("E "))])
+
+
 def _judge(exercise, cases, passing, known):
     mine = {k: v for k, v in cases.items() if k == exercise.test or k.startswith(exercise.test + "[")}
     if not mine:
         return Outcome(exercise.id, "wrong", f"pytest collected no test {exercise.test}")
     for nodeid, (kind, text) in mine.items():
-        named = set(STUB_NAME.findall(text)) & known
+        named = set(STUB_NAME.findall(raised(text))) & known
         if kind == "skipped":
             return Outcome(exercise.id, "skipped", f"{nodeid} skipped: {text.strip().splitlines()[0]}")
         if passing and kind != "passed":

@@ -3,28 +3,32 @@
 A solution block sits between two comments that stay readable in the solution (`//` in a .cu file):
 
     # exercise 02.1: ring all-reduce
-    # hint: one line of help, continued on lines that start with "#   "
+    # hint: the idea and where it is derived (a README section, a formula), continued on lines that start
+    #   with "#   "; never the code
     # test: tests/test_collectives.py::test_collectives_match_playbook_and_ring_all_reduce
+    # level: 2   (optional: the harder form of an idea, stubbed by `make --level 2` only)
+    # hides: "a phrase of the file's docstrings or comments that would give the block away"
     ...the solution: complete statements inside a function...
     # end exercise
 
 An exercise may have more blocks, each opened by a bare `# exercise 02.1`. IDs are NN.M for the folder
-NN_*, K.M for kernels/, and the list is the course, in that order. `make` copies the repository's files
-into OUT (no history) with every block replaced by a stub that raises NotImplementedError("exercise 02.1
-(ring all-reduce): <hint>") (#error in CUDA); the markers stay, so `list` run there says which are left.
-`check` (tests/exercise_check.py) proves the cycle a student lives through, in order: with the exercises
-before k solved and k and the later ones stubbed, k's test fails naming k and no other; `check --passing`:
-with k solved too, it passes.
+NN_*, K.M for kernels/, and the list is the course, in that order (COURSE.md groups it into classes).
+`make` copies the repository's files into OUT (no history) with every block of level 1 (`--level 2`: all)
+replaced by a stub that raises NotImplementedError("exercise 02.1 (ring all-reduce): <hint>") (#error in
+CUDA), and each `hides` phrase of its files replaced by "…"; the markers stay, so `list` and `progress`
+run there say which are left. `check` (tests/exercise_check.py) proves the cycle a student lives through,
+in order: with the exercises before k solved and k and the later ones stubbed, k's test fails naming k
+and no other; `check --passing`: with k solved too, it passes.
 
-    python tests/exercises.py list
-    python tests/exercises.py make ../student                # or --only 04.1 04.2
-    python tests/exercises.py check [--passing] [--only ID]  # ~90 CPU-seconds (--passing ~110)
+    python tests/exercises.py list                           # the course, each exercise's test and status
+    python tests/exercises.py make ../student                # or --level 2, or --only 04.1 04.2
+    python tests/exercises.py progress                       # in the copy: which pass, the next one to do
+    python tests/exercises.py check [--passing] [--only ID]  # the proof (exercise_check.py)
 """
 import argparse
 import ast
 import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -58,6 +62,8 @@ class Exercise:
     title: str = ""
     hint: str = ""
     test: str = ""
+    level: int = 1
+    hides: list = field(default_factory=list)      # phrases of its files the student copy replaces by "…"
     blocks: list = field(default_factory=list)
 
     @property
@@ -81,11 +87,12 @@ def source_files(root: Path):
 
 
 def _header(lines, i, comment):
-    """The hint and test lines after an opening marker: -> (hint, test, index of the first body line)."""
-    fields, key = {"hint": [], "test": []}, None
+    """The fields after an opening marker: -> ({hint, test, level, hides: text}, index of the first body
+    line)."""
+    fields, key = {"hint": [], "test": [], "level": [], "hides": []}, None
     while i < len(lines):
         text = lines[i].strip()
-        match = re.match(rf"{re.escape(comment)} (hint|test): (.*)$", text)
+        match = re.match(rf"{re.escape(comment)} (hint|test|level|hides): (.*)$", text)
         if match:
             key = match.group(1)
             fields[key].append(match.group(2).strip())
@@ -94,7 +101,7 @@ def _header(lines, i, comment):
         else:
             break
         i += 1
-    return " ".join(fields["hint"]), "".join(fields["test"]), i
+    return {k: ("" if k == "test" else " ").join(v) for k, v in fields.items()}, i
 
 
 def parse(root: Path = ROOT) -> list:
@@ -120,7 +127,8 @@ def parse(root: Path = ROOT) -> list:
             expected = "kernels/" if folder == "K" else f"{folder}_"
             if not name.startswith(expected):
                 raise ExerciseError(f"{where}: exercise {ex_id} belongs in a file under {expected}*")
-            hint, test, start = _header(lines, i + 1, comment)
+            header, start = _header(lines, i + 1, comment)
+            hint, test = header["hint"], header["test"]
             end = next((j for j in range(start, len(lines)) if OPEN.match(lines[j]) or
                         lines[j].strip() == f"{comment} end exercise"), None)
             if end is None or lines[end].rstrip() != f"{indent}{comment} end exercise":
@@ -144,8 +152,14 @@ def parse(root: Path = ROOT) -> list:
                 if not hint or not test:
                     raise ExerciseError(f"{where}: exercise {ex_id} needs a 'hint:' and a 'test:' line")
                 exercise.title, exercise.hint, exercise.test = title.strip(), hint, test
-            elif hint or test:
-                raise ExerciseError(f"{where}: hint and test go with the title, in the first block")
+                if header["level"] not in ("", "1", "2"):
+                    raise ExerciseError(f"{where}: exercise {ex_id}'s level is 1 or 2, not "
+                                        f"{header['level']!r}")
+                exercise.level = int(header["level"] or 1)
+                exercise.hides = re.findall(r'"([^"]+)"', header["hides"])
+            elif any(header.values()):
+                raise ExerciseError(f"{where}: hint, test, level and hides go with the title, in the first "
+                                    f"block")
             exercise.blocks.append(Block(name, i + 1, indent, comment, (start, end - 1)))
             i = end + 1
     for exercise in exercises.values():
@@ -154,7 +168,20 @@ def parse(root: Path = ROOT) -> list:
             raise ExerciseError(f"{where}: exercise {exercise.id} has no block with its title")
         if '"' in exercise.message() and any(b.comment == "//" for b in exercise.blocks):
             raise ExerciseError(f"{where}: no '\"' in a CUDA hint")
+        texts = {b.path: outside_blocks(root, b.path, exercises.values()) for b in exercise.blocks}
+        for phrase in exercise.hides:
+            if not any(phrase in text for text in texts.values()):
+                raise ExerciseError(f"{where}: exercise {exercise.id} hides {phrase!r}, which its files do "
+                                    f"not hold outside the blocks")
     return sorted(exercises.values(), key=lambda e: e.order)
+
+
+def outside_blocks(root: Path, path: str, exercises) -> str:
+    """The text of `path` without any exercise's blocks (from the opening marker to `end exercise`)."""
+    lines = (root / path).read_text().splitlines()
+    inside = {j for e in exercises for b in e.blocks if b.path == path
+              for j in range(b.line - 1, b.body[1] + 2)}
+    return "\n".join(line for j, line in enumerate(lines) if j not in inside)
 
 
 def stub_lines(exercise: Exercise, block: Block) -> list:
@@ -181,8 +208,9 @@ def guarded_lines(exercise: Exercise, block: Block, lines: list) -> list:
     return [f"{block.indent}if {condition}:", *stub_lines(exercise, inner), *lines[first:last + 1]]
 
 
-def write_copy(root: Path, out: Path, exercises: list, replace) -> Path:
-    """Copy the repository's files into out, each block replaced by replace(exercise, block, lines)."""
+def write_copy(root: Path, out: Path, exercises: list, replace, hide: bool = False) -> Path:
+    """Copy the repository's files into out, each block replaced by replace(exercise, block, lines); with
+    `hide`, each exercise's `hides` phrases in its files replaced by "…"."""
     given, out = out, Path(out).resolve()
     if out == root or root in out.parents:
         raise ExerciseError(f"{out} is inside the repository: write the copy somewhere else")
@@ -200,7 +228,10 @@ def write_copy(root: Path, out: Path, exercises: list, replace) -> Path:
         for exercise, block in sorted(blocks, key=lambda eb: -eb[1].line):     # bottom up: indices hold
             first, last = block.body
             lines[first:last + 1] = replace(exercise, block, lines)
-        rewritten[name] = "\n".join(lines) + "\n"
+        text = "\n".join(lines) + "\n"
+        for phrase in {p for exercise, _ in blocks for p in exercise.hides} if hide else ():
+            text = text.replace(phrase, "…")
+        rewritten[name] = text
     made = not out.exists()
     try:
         for name in source_files(root):
@@ -218,11 +249,12 @@ def write_copy(root: Path, out: Path, exercises: list, replace) -> Path:
     return out
 
 
-def make(out, only=None, root: Path = ROOT) -> list:
-    """The student copy: every exercise's blocks (or only the IDs in `only`) stubbed. Returns the stubbed."""
+def make(out, only=None, root: Path = ROOT, level: int = 1) -> list:
+    """The student copy: the blocks of every exercise up to `level` (or of the IDs in `only`) stubbed, their
+    `hides` phrases gone. Returns the stubbed."""
     exercises = parse(root)
-    chosen = select(exercises, only)
-    write_copy(root, out, chosen, lambda exercise, block, lines: stub_lines(exercise, block))
+    chosen = select(exercises, only) if only else [e for e in exercises if e.level <= level]
+    write_copy(root, out, chosen, lambda exercise, block, lines: stub_lines(exercise, block), hide=True)
     return chosen
 
 
@@ -239,18 +271,6 @@ def is_stub(exercise: Exercise, block: Block, root: Path) -> bool:
     return lines[block.body[0]:block.body[1] + 1] == stub_lines(exercise, block)
 
 
-def listing(root: Path = ROOT) -> str:
-    exercises = parse(root)
-    rows = [f"{len(exercises)} exercises in course order; run each test from the repository root "
-            f"(status: 'todo' while a block is still a stub)", ""]
-    for e in exercises:
-        status = "todo" if any(is_stub(e, b, root) for b in e.blocks) else "written"
-        where = ", ".join(f"{b.path}:{b.line}" for b in e.blocks)
-        rows += [f"{e.id:<5} {status:<8} {e.title}   ({where})",
-                 f"{'':14}python -m pytest -q {shlex.quote(e.test)}"]
-    return "\n".join(rows)
-
-
 # ======================================================================================
 # Command line
 # ======================================================================================
@@ -261,11 +281,16 @@ class Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
+    import exercise_course   # the course and the progress build on this module's parse
     parser = Parser(prog="python tests/exercises.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="the exercises in course order, each with its test and status")
+    commands.add_parser("list", help="the course (COURSE.md): its classes, each exercise's test and status")
+    commands.add_parser("progress", help="in a student copy: run the written exercises' tests; which pass, "
+                                         "which are todo, the next one")
     maker = commands.add_parser("make", help="write a student copy of the repository into OUT")
     maker.add_argument("out", metavar="OUT", help="a new folder outside the repository")
+    maker.add_argument("--level", type=int, choices=[1, 2], default=1,
+                       help="2: stub the harder forms (level-2 exercises) as well")
     checker = commands.add_parser("check", help="prove the make / fail / pass cycle of every exercise")
     checker.add_argument("--passing", action="store_true",
                          help="the passing side: k's test passes with k solved")
@@ -274,9 +299,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            print(listing())
+            print(exercise_course.listing())
+        elif args.command == "progress":
+            print(exercise_course.progress())
         elif args.command == "make":
-            done = make(args.out, args.only)
+            done = make(args.out, args.only, level=args.level)
             print(f"{args.out}: a student copy with {len(done)} exercises stubbed; "
                   f"there: python tests/exercises.py list")
         else:

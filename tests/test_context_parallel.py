@@ -82,12 +82,18 @@ def check_attention(grid, attn):
     return True
 
 
-def check_models(tp_grid, cp_grid):
-    """TP+SP model and CP model against the dense model: loss and all gradients."""
+def dense_run():
+    """The float64 dense model after one backward on a batch, and that batch."""
     dense = small_model(torch.float64)
     ids = torch.randint(0, V, (B, T + 1))
     x, y = ids[:, :-1], ids[:, 1:]
     dense(x, labels=y).backward()
+    return dense, x, y
+
+
+def check_sp(tp_grid):
+    """TP+SP model against the dense model: loss and all gradients (SP's norm-gradient sum applied)."""
+    dense, x, y = dense_run()
     sp = copy.deepcopy(dense)
     norms = sequence_parallel.norm_weights(sequence_parallel.apply_sequence_parallel(sp, tp_grid))
     loss = sp(x, labels=y)
@@ -97,6 +103,12 @@ def check_models(tp_grid, cp_grid):
     for (name, p), want in zip(sp.named_parameters(), dense.parameters(), strict=True):
         torch.testing.assert_close(p.grad, shard_like(want.grad, p.grad, tp_grid.tp_rank, tp_grid.tp_size),
                                    **EXACT, msg=name)
+    return True
+
+
+def check_models(cp_grid):
+    """The CP model in both layouts against the dense model: loss and all gradients."""
+    dense, x, y = dense_run()
     for kind in context_parallel.LAYOUTS:
         layout = context_parallel.CPLayout(kind, cp_grid.cp_size)
         cp = context_parallel.apply_context_parallel(copy.deepcopy(dense), layout, cp_grid.cp_group)
@@ -196,22 +208,24 @@ ATTENTIONS = {"ring": context_parallel.RingAttention, "allgather": allgather_kv.
 
 
 def layer_level(part):
-    """One part on every rank: the "ring", "allgather" or "ulysses" attention twins, or the "models" twins
-    (float64) and then the measurements (float32), which it returns."""
+    """One part on every rank: the "sp" model twin, the "ring", "allgather" or "ulysses" attention twins, or
+    the CP "models" twins (float64) and then the measurements (float32), which it returns."""
     tp_grid = process_grid.build_process_grid(tp=2)
     cp_grid = process_grid.build_process_grid(cp=2)
     solo_grid = process_grid.build_process_grid(dp=2)         # its cp group is this rank alone
     torch.set_default_dtype(torch.float64)
     try:
+        if part == "sp":
+            return check_sp(tp_grid)
         if part != "models":
             return check_attention(cp_grid, ATTENTIONS[part])
-        check_models(tp_grid, cp_grid)
+        check_models(cp_grid)
     finally:
         torch.set_default_dtype(torch.float32)
     return measure(tp_grid, cp_grid, solo_grid)
 
 
-LAYER_PARTS = (*ATTENTIONS, "models")
+LAYER_PARTS = ("sp", *ATTENTIONS, "models")
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +329,21 @@ def tile_counts():
             out = attn(context_parallel.CPLayout(kind, 4), grid.cp_group)(q, q[:, :1], q[:, :1])
             counts[kind, attn.__name__] = (sum(scores), out)
     return counts
+
+
+def test_zigzag_gives_every_rank_the_same_tiles():
+    """No ranks: the tiles `_tiles` lists for a rank against every source block (cp 4). Zig-zag: each rank
+    holds two chunks of 2cp, mirror images (chunk c and 2cp−1−c), so every rank computes 2cp + 1 = 9 tiles;
+    contiguous: rank r computes r + 1. Together the ranks hold every chunk once."""
+    for kind, expected, chunks in (("zigzag", [9] * 4, 8), ("contiguous", [1, 2, 3, 4], 4)):
+        layout = context_parallel.CPLayout(kind, 4)
+        held = [c for rank in range(4) for c in layout.chunk_ids(rank)]
+        assert sorted(held) == list(range(chunks)) == list(range(layout.num_chunks)), kind
+        tiles = [sum(len(context_parallel._tiles(layout, rank, src)) for src in range(4))
+                 for rank in range(4)]
+        assert tiles == expected, kind
+        positions = torch.cat([layout.positions(rank, 32) for rank in range(4)])
+        assert sorted(positions.tolist()) == list(range(32)), kind
 
 
 def test_zigzag_balances_attention_work():

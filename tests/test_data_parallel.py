@@ -109,6 +109,58 @@ def test_average_gradients_two_ranks():
         assert grad == [1.5, 1.5, 1.5] and none is None
 
 
+def _hooked_rank(mode):
+    """A small MLP (with biases) on this rank's own data, wrapped in `mode`: two micro-batches, the first
+    inside no_sync. Returns each .grad after finish_gradients, every rank's local sums (computed here
+    densely, the same on each rank), the hook events and the buckets' sizes."""
+    import torch.distributed as dist
+    import data_parallel as dp
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+                              torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    params = list(net.parameters())
+    inputs = [torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(10 + r))
+              for r in range(dist.get_world_size())]                      # rank r: 2 micro-batches (4, 6)
+    local = []
+    for x in inputs:                                                      # every rank's dense sum, here
+        grads = [torch.autograd.grad(net(mb).square().sum(), params) for mb in x]
+        local.append([a + b for a, b in zip(*grads)])
+    ddp = dp.wrap(params, dist.group.WORLD, mode, bucket_mb=200 / 2**20)   # 200 bytes: 3 buckets
+    mine = inputs[dist.get_rank()]
+    with ddp.no_sync():
+        net(mine[0]).square().sum().backward()
+    net(mine[1]).square().sum().backward()
+    ddp.finish_gradients()
+    return ([p.grad.clone() for p in params], local, list(ddp.step_events),
+            [len(b.params) for b in getattr(ddp, "buckets", [])])
+
+
+def _check_hooked(mode):
+    """Every rank's .grad is the mean over ranks of the two micro-batches' summed gradients (float32: one
+    all-reduce adds two numbers, so 1e-6); the first all-reduce is launched before backward's last
+    gradient, and only the synchronising micro-batch runs the hooks."""
+    results = run_ranks(_hooked_rank, 2, args=(mode,))
+    for grads, local, events, buckets in results:
+        for k, grad in enumerate(grads):
+            torch.testing.assert_close(grad, (local[0][k] + local[1][k]) / 2, rtol=1e-6, atol=1e-6)
+        last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
+        assert events.index(("launch", 0)) < last_grad, events
+        assert sum(e[0] == "grad" for e in events) == len(grads)
+    return results[0][3]
+
+
+def test_overlap_launches_each_all_reduce_from_its_gradient_hook():
+    """--dp-mode overlap on 2 ranks, layer level: the mean of the gradients, communication under backward."""
+    _check_hooked("overlap")
+
+
+def test_buckets_launch_when_full_and_average_every_gradient():
+    """--dp-mode bucket on 2 ranks, layer level: the same, with several buckets each holding whole
+    gradients, in reverse order (backward's), every parameter in one."""
+    buckets = _check_hooked("bucket")
+    assert len(buckets) > 2 and sum(buckets) == 6
+
+
 def _mode_rank(mode, steps, grad_acc):
     """One --dp-mode on this rank (a spawn runs the three in turn, in the same 4 processes)."""
     train02 = import_module("02_data_parallel.train")

@@ -114,6 +114,31 @@ def test_moe_block_is_the_per_token_sum_and_aux_loss_is_per_sequence():
     assert a[0].experts.down_proj.segments[3].name == "model.layers.0.mlp.experts.3.down_proj.weight"
 
 
+def test_load_balancing_loss_is_switchs_per_sequence_formula():
+    """Switch §2.2's aux = E·Σ_i f_i·P_i per sequence, the mean over sequences, against the formula written
+    out (float64, same sums in another order: 1e-12); its gradient reaches the probabilities through P
+    only, E·f_i/(T·B) for every token; 1 for a uniform router and routing, E when every choice and all the
+    probability go to one expert."""
+    B, T = 2, 5
+    probs = torch.rand(B, T, E, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    probs.requires_grad_()
+    chosen = probs.topk(K, dim=-1).indices                                    # (B, T, K)
+    f = torch.zeros(B, E, dtype=torch.float64)
+    for b, t, j in ((b, t, j) for b in range(B) for t in range(T) for j in range(K)):
+        f[b, chosen[b, t, j]] += 1 / (T * K)
+    expected = sum(E * (f[b] * probs[b].mean(0)).sum() for b in range(B)) / B
+    aux = routing.load_balancing_loss(probs, chosen)
+    torch.testing.assert_close(aux, expected, **EXACT)
+    aux.backward()
+    torch.testing.assert_close(probs.grad, (E * f / (T * B))[:, None, :].expand(B, T, E), **EXACT)
+    uniform = torch.full((1, 4, E), 1 / E, dtype=torch.float64)
+    balanced = torch.tensor([[[0, 1], [2, 3], [1, 0], [3, 2]]])               # every expert chosen twice
+    assert routing.load_balancing_loss(uniform, balanced).item() == pytest.approx(1.0)
+    one = torch.zeros(1, 4, E, dtype=torch.float64)
+    one[..., 0] = 1.0
+    assert routing.load_balancing_loss(one, torch.zeros(1, 4, 1, dtype=torch.long)).item() == pytest.approx(E)
+
+
 def test_grouped_experts_save_no_copy_of_their_weights():
     """What autograd saves for run_experts, as distinct storages: the stacked weights themselves (the
     parameters, no new bytes) and E·M·(C + 4F)·b bytes of activations, with M the largest group: the

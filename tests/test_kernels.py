@@ -264,6 +264,16 @@ def test_flash_attention_gqa(dtype, causal):
           lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
 
 
+def test_flash_attention_forward_is_softmax_attention():
+    """The forward kernel alone (no_grad: no backward kernel runs), float32, causal, GQA 4:2, T = 37 in
+    16-wide blocks (below the diagonal, on it, and a ragged last block of 5 rows): the reference's output."""
+    q, k, v = (t.to(DEVICE) for t in (randn(1, 4, 37, 16), randn(1, 2, 37, 16, seed=1),
+                                      randn(1, 2, 37, 16, seed=2)))
+    with torch.no_grad():
+        out = fa.flash_attention(q, k, v, True, block_m=16, block_n=16)
+    torch.testing.assert_close(out, fa.attention_reference(q, k, v, True), atol=1e-5, rtol=1e-5)
+
+
 def test_flash_attention_padded_head_dim_unequal_blocks():
     """hd = 24 is padded to 32; BLOCK_M = 16 ≠ BLOCK_N = 32 exercises the causal loop bounds."""
     q, k, v = randn(1, 2, 40, 24), randn(1, 2, 40, 24, seed=1), randn(1, 2, 40, 24, seed=2)

@@ -213,19 +213,19 @@ class RecordingPipe:
     """What a schedule sees of `Pipeline` (p, rank, m; begin, forward, backward, finish), recording the order
     of the passes and the micro-batches held instead of running them."""
 
-    def __init__(self, p, rank):
-        self.p, self.rank, self.chunks, self.passes, self.held, self.peak_held = p, rank, 1, [], 0, 0
+    def __init__(self, p, rank, chunks=1):
+        self.p, self.rank, self.chunks, self.passes, self.held, self.peak_held = p, rank, chunks, [], 0, 0
 
     def begin(self, micro_batches):
         self.m = len(micro_batches)
 
     def forward(self, micro, chunk=0):
-        self.passes.append(("F", micro))
+        self.passes.append(("F", micro) if self.chunks == 1 else ("F", micro, chunk))
         self.held += 1
         self.peak_held = max(self.peak_held, self.held)
 
     def backward(self, micro, chunk=0):
-        self.passes.append(("B", micro))
+        self.passes.append(("B", micro) if self.chunks == 1 else ("B", micro, chunk))
         self.held -= 1
 
     def finish(self):
@@ -246,6 +246,22 @@ def test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank(p, m):
         events += [passes.Event(rank, op, micro, 0, t, t + 0.5)          # one pass per time unit
                    for t, (op, micro) in enumerate(pipe.passes)]
     assert timeline.replayed_bubble(events, p) == pytest.approx((p - 1) / m, abs=1e-12)
+
+
+@pytest.mark.parametrize("p, m, V", [(4, 8, 2), (2, 4, 2), (2, 6, 3)])
+def test_interleaved_order_replays_to_the_theory_bubble(p, m, V):
+    """The interleaved schedule's order on every rank, without ranks: each (micro-batch, chunk) F and B
+    once, Megatron's peak held, and the orders of all ranks replayed with ideal pass times (a chunk's pass
+    1/V of a stage's) to exactly the theory bubble (p−1)/(V·m)."""
+    events = []
+    for rank in range(p):
+        pipe = RecordingPipe(p, rank, chunks=V)
+        schedules.train_step_interleaved(pipe, [None] * m)
+        assert sorted(pipe.passes) == sorted((op, i, c) for op in "FB" for i in range(m) for c in range(V))
+        assert pipe.peak_held == schedules.peak_held("interleaved", p, rank, m, V), rank
+        events += [passes.Event(rank, op, micro, chunk, t, t + 0.5)
+                   for t, (op, micro, chunk) in enumerate(pipe.passes)]
+    assert timeline.replayed_bubble(events, p, V) == pytest.approx((p - 1) / (V * m), abs=1e-12)
 
 
 def test_bad_layouts_fail_before_any_process_group(capsys):

@@ -105,13 +105,15 @@ B, T, C, V = 2, 8, 32, 64
 
 
 def check_layers(part):
-    """One part of the twins on every rank: "f-and-f-bar" (the parallel linears through Megatron's regions)
-    or "model" (the vocab-parallel embedding and loss, attention, MLP, a layer, the clip), in float64."""
+    """One part of the twins on every rank, in float64: "f-and-f-bar" (the parallel linears through
+    Megatron's regions), "embedding" (the vocab-parallel embedding), "model" (attention, MLP, a layer, the
+    vocab-parallel loss) or "clip" (the gradient norm over the shards)."""
     grid = process_grid.build_process_grid(tp=2)
     torch.manual_seed(0)   # the same dense twins and inputs on every rank
     torch.set_default_dtype(torch.float64)
     try:
-        (check_parallel_linears if part == "f-and-f-bar" else check_model_pieces)(grid)
+        {"f-and-f-bar": check_parallel_linears, "embedding": check_embedding, "model": check_model_pieces,
+         "clip": check_clip}[part](grid)
     finally:
         torch.set_default_dtype(torch.float32)
     return True
@@ -134,22 +136,32 @@ def check_parallel_linears(grid):
                 [row.weight], [dense.weight], rank, size)
 
 
-def check_model_pieces(grid):
-    """The whole model's pieces: embedding, attention (GQA: 4 heads, 2 kv heads), MLP, layer, loss."""
-    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
+def twin_models(grid):
+    """A dense one-layer model (GQA: 4 heads, 2 kv heads) and its TP twin."""
     config = modeling.LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=48, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=2)
     dense_model = modeling.LlamaForCausalLM(config)
-    model = tensor_parallel.apply_tensor_parallel(copy.deepcopy(dense_model), grid)
+    return tensor_parallel.apply_tensor_parallel(copy.deepcopy(dense_model), grid), dense_model
+
+
+def check_embedding(grid):
+    """The vocab-parallel embedding: each rank's ids, looked up where owned, summed over tp."""
+    model, dense_model = twin_models(grid)
+    ids = torch.randint(0, V, (B, T))
+    emb, dense_emb = model.model.embed_tokens, dense_model.model.embed_tokens
+    _twin_grads(emb(ids), dense_emb(ids), [], [emb.weight], [dense_emb.weight], grid.tp_rank, grid.tp_size)
+
+
+def check_model_pieces(grid):
+    """The whole model's pieces: attention (GQA: 4 heads, 2 kv heads), MLP, layer, loss."""
+    rank, size = grid.tp_rank, grid.tp_size
+    model, dense_model = twin_models(grid)
     # f is where a reader looks: a named child that print(model) lists, run by a pre-hook; forward is 01's
     attn = model.model.layers[0].self_attn
     assert "forward" not in vars(attn) and "forward" not in vars(model.lm_head)
     f_line = "(enter_tp_region): EnterRegion(copy_to_tp_region (f: identity forward, all-reduce backward))"
     assert f_line in repr(attn)
     assert "exit reduce_from_tp_region (f̄: all-reduce forward, identity backward)" in repr(attn.o_proj)
-    ids = torch.randint(0, V, (B, T))
-    emb, dense_emb = model.model.embed_tokens, dense_model.model.embed_tokens
-    _twin_grads(emb(ids), dense_emb(ids), [], [emb.weight], [dense_emb.weight], rank, size)
     cos, sin = dense_model.model.rotary(torch.arange(T), torch.float64)
     layer, dense_layer = model.model.layers[0], dense_model.model.layers[0]
     for part, args in (("self_attn", (cos, sin)), ("mlp", ()), (None, (cos, sin))):
@@ -169,9 +181,13 @@ def check_model_pieces(grid):
                 dense_model.loss_fn(dense_hidden, dense_model.lm_head, labels),
                 [(hidden, dense_hidden)], [model.lm_head.weight], [dense_model.lm_head.weight], rank, size)
 
-    # Gradient clipping counts each shard once and each replicated norm weight once.
-    for p in list(model.parameters()) + list(dense_model.parameters()):
-        p.grad = None
+
+def check_clip(grid):
+    """Gradient clipping counts each shard once and each replicated norm weight once."""
+    group, rank, size = grid.tp_group, grid.tp_rank, grid.tp_size
+    model, dense_model = twin_models(grid)
+    ids, labels = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    labels[0, :3] = -100
     model(ids, labels=labels).backward()
     dense_model(ids, labels=labels).backward()
     norm = tensor_parallel.clip_grad_norm_tp(list(model.parameters()), 0.5, group)
@@ -202,12 +218,12 @@ def measure_communication():
     return {k: (dict(m.calls), dict(m.payload), dict(m.wire)) for k, m in meters.items()}
 
 
-LAYER_PARTS = ("f-and-f-bar", "model")
+LAYER_PARTS = ("f-and-f-bar", "embedding", "model", "clip")
 
 
 @pytest.fixture(scope="module")
 def layer_twins(request):
-    """One 2-rank spawn runs both parts in turn; a part that raises is named, the other still runs."""
+    """One 2-rank spawn runs the parts in turn; a part that raises is named, the others still run."""
     return run_layouts(check_layers, selected(request, {part: part for part in LAYER_PARTS}), 2, timeout=120)
 
 

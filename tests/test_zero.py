@@ -338,10 +338,10 @@ def test_offload_param_skips_a_nonfinite_step_on_every_rank(dp2_runs):
             assert (got["state"][name] == value).all(), f"rank {rank} {name}"
 
 
-def _zero_against_adamw_rank(offload_param=False):
-    """2 ranks, each with 2 of 4 sequences: ZeRO-1 (or ZeRO-3 with --offload param) over a float64 tiny
-    Llama (odd sizes: the units pad) for 2 clipped AdamW steps, against 01's AdamW on all 4 sequences on
-    this rank."""
+def _zero_against_adamw_rank(offload_param=False, stage=1):
+    """2 ranks, each with 2 of 4 sequences: ZeRO-`stage` (or ZeRO-3 with --offload param) over a float64
+    tiny Llama (odd sizes: the units pad) for 2 clipped AdamW steps, against 01's AdamW on all 4 sequences
+    on this rank."""
     import copy
     from types import SimpleNamespace
 
@@ -360,7 +360,7 @@ def _zero_against_adamw_rank(offload_param=False):
     if offload_param:
         zero = offload.ParameterOffload(flat_unit.llama_units(model), dist.group.WORLD)
     else:
-        zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=1)
+        zero = zero_mod.ZeRO(flat_unit.llama_units(model), dist.group.WORLD, stage=stage)
     args = SimpleNamespace(lr=1e-2, weight_decay=0.1)
     optimizer = optim.make_optimizer(zero.shards, args)
     dense_optimizer = optim.make_optimizer(dense.parameters(), args)
@@ -380,7 +380,8 @@ def _zero_against_adamw_rank(offload_param=False):
     with torch.no_grad():                         # an evaluation: ZeRO-3's forward hooks free each unit
         model(mine[:, :-1], labels=mine[:, 1:])
     gathered = sum(u.full.untyped_storage().nbytes() for u in zero.units)
-    assert gathered == 0 if offload_param else gathered > 0, gathered       # ZeRO-1 keeps every unit whole
+    # ZeRO-1 and 2 keep every unit whole
+    assert gathered == 0 if offload_param or stage == 3 else gathered > 0, gathered
     with zero.gathered():                         # ZeRO-3: the host shards, gathered on the device
         for (name, p), q in zip(model.named_parameters(), dense.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12, msg=name)
@@ -393,6 +394,17 @@ def test_zero1_step_equals_adamw_on_the_whole_batch():
     float64: the sums of the reduce-scatter and of the norm run in other orders, ~1e-16 relative; AdamW's
     m/(√v + ε) can blow that up only for gradients near zero, still far below 1e-12."""
     assert run_ranks(_zero_against_adamw_rank, 2, timeout=120) == [True, True]
+
+
+def test_zero2_step_equals_adamw_on_the_whole_batch():
+    """The same for ZeRO-2: each unit's gradients reduce-scattered from the hooks of its backward."""
+    assert run_ranks(_zero_against_adamw_rank, 2, args=(False, 2), timeout=120) == [True, True]
+
+
+def test_zero3_step_equals_adamw_on_the_whole_batch():
+    """The same for ZeRO-3: each unit all-gathered before its forward and its backward, freed after, the
+    next one prefetched; after an evaluation no unit is left gathered."""
+    assert run_ranks(_zero_against_adamw_rank, 2, args=(False, 3), timeout=120) == [True, True]
 
 
 def test_offload_param_step_equals_adamw_on_the_whole_batch_in_float64():

@@ -58,10 +58,10 @@ __global__ void matmul_tiled_kernel(const float* A, const float* B, float* C, in
     const int row = blockIdx.x * BS + ty;
     const int col = blockIdx.y * BS + tx;
     float acc = 0.f;
-    // exercise K.6: shared-memory tiling
-    // hint: for each 32-wide step k0 along K: every thread loads one element of the A tile and of the B tile
-    //   into As and Bs (0 outside the matrices), __syncthreads(), adds its 32 products As[ty][k] * Bs[k][tx]
-    //   to acc, and __syncthreads() again before the tiles are overwritten.
+    // exercise K.8: shared-memory tiling
+    // hint: [PB] §4.0.4, Tiling (kernels/README.md, CUDA teaching kernels): the block's threads load one
+    //   BS-wide tile of A and one of B into shared memory together (zeros outside the matrices), each one
+    //   element, and every thread then reads them BS times; barriers keep the loads and the reads apart.
     // test: tests/test_kernels_cuda_compile.py::test_cuda_kernels_compile_for_sm80_and_sm90
     for (int k0 = 0; k0 < K; k0 += BS) {
         // Each thread loads one element of each tile; tx runs along rows of A and B: coalesced.
