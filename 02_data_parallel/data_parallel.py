@@ -44,6 +44,7 @@ def average_gradients(params, group):
     # hint: the gradient of the global batch's mean loss is the mean of the ranks' gradients ([PB] §2.2; 02's
     #   README, "Three ways to average"); gloo's all-reduce has no AVG; a parameter may have no gradient.
     # test: tests/test_data_parallel.py::test_average_gradients_two_ranks
+    # hides: "(all-reduce SUM, then divide by N)"
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)   # (*p.shape) summed over ranks
