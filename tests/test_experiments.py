@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import layout_results, run_layouts
+from harness import layout_results, run_layouts, selected
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/README.md")) + ["kernels"]
@@ -73,10 +73,11 @@ def _rank(command, folder):
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory):
-    """{command: what it printed}, every folder's commands run once."""
+def outputs(tmp_path_factory, request):
+    """{command: what it printed}, the commands of the folders whose tests run, each once."""
     folder = str(tmp_path_factory.mktemp("try_it"))
-    commands = list(dict.fromkeys(c for f in FOLDERS for c in try_it(f)[0]))
+    chosen = selected(request, {f: f for f in FOLDERS})
+    commands = list(dict.fromkeys(c for f in chosen for c in try_it(f)[0]))
     printed = {c: run_python(*split(c)[1:], folder) for c in commands if split(c)[0] is None}
     for ranks in sorted({split(c)[0] for c in commands} - {None}):
         mine = [c for c in commands if split(c)[0] == ranks]
