@@ -35,12 +35,19 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}   # dense bf16, per 
 
 def flops_per_token(config, seq_len: int) -> int:
     """6 FLOPs per matmul parameter (forward 2, backward 4) plus causal attention's 12·L·h·s."""
+    # exercise 01.6: MFU's and HFU's FLOPs per token
+    # hint: [PB] §2.1 "MFU and HFU", PaLM App. B (01's README, "Derivations"; its Reference, "HFU against
+    #   MFU"): count the parameters a token multiplies from the model's shapes (built on the meta device:
+    #   no memory, no initialisation); the embedding is a lookup, unless the head shares its weight; QKᵀ
+    #   and AV add per token what the docstring says; HFU adds what recomputation runs again.
+    # test: tests/test_single_gpu.py::test_mfu_and_hfu_flops_per_token_written_out_from_the_shapes
     # shapes only: no memory, no initialisation (the 1b preset would take seconds)
     with torch.device("meta"):
         shapes = modeling.LlamaForCausalLM(config)
     matmul_params = sum(p.numel() for n, p in shapes.named_parameters()
                         if "embed_tokens" not in n or config.tie_word_embeddings)
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    # end exercise
 
 
 def hardware_flops_per_token(model_flops: int, config, seq_len: int, recompute: str) -> int:
@@ -49,14 +56,18 @@ def hardware_flops_per_token(model_flops: int, config, seq_len: int, recompute: 
         full       + one forward of every layer: a third of the layers' share (everything but the head)
         selective  + the attention core's forward, q·kᵀ and softmax·v: 2·h·s + 2·h·s per layer"""
     if recompute == "full":
+        # exercise 01.6
         with torch.device("meta"):
             shapes = modeling.LlamaForCausalLM(config)
         head = sum(p.numel() for n, p in shapes.named_parameters()      # the final norm and the lm head
                    if not n.startswith("model.layers.")
                    and ("embed_tokens" not in n or config.tie_word_embeddings))
         return model_flops + (model_flops - 6 * head) // 3                # layers: 6 → 8 per parameter
+        # end exercise
     if recompute == "selective":
+        # exercise 01.6
         return model_flops + 4 * config.num_hidden_layers * config.hidden_size * seq_len
+        # end exercise
     return model_flops
 
 

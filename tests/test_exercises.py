@@ -264,6 +264,7 @@ SHARED = {
     "chunk_layers = config.num_hidden_layers": "a planner test writes the pp ratio's formula out",
     "input_gradient_then_due_weights(i)": "ZB-H1's B pass, a function its order calls, defined above it",
     "w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)": "RMSNorm's backward kernel loads w so too",
+    'with torch.device("meta"):': "every model built as shapes only (01's runtime, 07, the hardware FLOPs)",
     "mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()":
         "kernels' attention_reference (v0), a later chapter's eager attention that K.6's test compares with",
     'scores = scores.masked_fill(~mask, float("-inf"))': "the same",

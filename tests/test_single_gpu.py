@@ -21,6 +21,7 @@ import rope
 import hf_io
 import optim
 import memory
+import metrics
 import recompute
 import data
 import sampling
@@ -308,6 +309,26 @@ def test_hfu_counts_the_recomputed_forward_and_profile_writes_a_trace(tmp_path):
     assert "ProfilerStep#2" in names and "ProfilerStep#1" not in names             # step 3 only
     assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names                     # forward/backward, AdamW
     assert any(name.startswith("autograd::engine::evaluate_function") for name in names)   # the backward
+
+
+def test_mfu_and_hfu_flops_per_token_written_out_from_the_shapes():
+    """MFU's FLOPs per token ([PB] §2.1, PaLM App. B), written out from the shapes: 6 per parameter a token
+    multiplies (2 forward, 4 backward): each layer's q, k, v, o, gate, up and down, the head, and the norm
+    gains (2h a layer and h: counted too, 0.1% of the total); not the embedding, a lookup, unless the head
+    shares its weight (then it is the head's, counted once). Plus 12·L·h·s for QKᵀ and AV. HFU adds what
+    recomputation runs again: full, one forward of the layers (2 per layer parameter, 4·L·h·s); selective,
+    the attention core's (4·L·h·s)."""
+    for tied in (False, True):
+        c = tiny_config(tie_word_embeddings=tied)
+        h, f, L, V, s = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size, 64
+        h_kv = c.num_key_value_heads * c.head_dim
+        layers = L * (2 * h * h + 2 * h * h_kv + 3 * h * f + 2 * h)
+        model_flops = 6 * (layers + h + V * h) + 12 * L * h * s
+        assert metrics.flops_per_token(c, s) == model_flops, tied
+        hfu = {mode: metrics.hardware_flops_per_token(model_flops, c, s, mode)
+               for mode in recompute.RECOMPUTE_MODES}
+        assert hfu == {"none": model_flops, "selective": model_flops + 4 * L * h * s,
+                       "full": model_flops + 2 * layers + 4 * L * h * s}, tied
 
 
 def test_activation_estimate_matches_playbook_formula():
