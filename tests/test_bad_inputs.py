@@ -8,10 +8,11 @@ their own words; and a disk that fills mid-run, a real small tmpfs, on 1 and 2 r
 checkpoints intact). Asserted per case: exit status 2 (argparse's status for a usage error, used for all of
 them), exactly one line on stderr holding the case's fix, no Python traceback anywhere in the output, and
 the seconds until the process exited. Valid inputs the checks once refused are run to the end (ACCEPTED).
-The cases run in processes forked from one that imported the trainer once (tests/forkrun.py: a case costs milliseconds, not an
-interpreter start); one case per folder also runs as a fresh `python NN/train.py`, imports included, and two
-run under torchrun with two ranks, where the line must appear once. Nothing here reaches the network (the
-hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE set or not.
+The cases run in processes forked from one that imported the trainer once (tests/forkrun.py: a case costs
+milliseconds, not an interpreter start); one case per folder also runs as a fresh `python NN/train.py`,
+imports included, and two run under torchrun with two ranks, where the line must appear once. Nothing here
+reaches the network (the hub endpoint is a closed local port): a hub name must fail fast, with HF_HUB_OFFLINE
+set or not.
 """
 import contextlib
 import json
