@@ -12,7 +12,7 @@ inter: one rank per node) the bus bandwidth each collective reached at the large
     ep     all_to_all
 
 Two collectives that carry half of a dimension's bytes each take the time of their harmonic mean,
-2/(1/a + 1/b). Which scope a dimension uses is planner.bandwidths' rank order. A scope the file lacks
+2/(1/a + 1/b). Which scope a dimension uses is `bandwidths`' rank order. A scope the file lacks
 (one node measured, a layout across nodes) takes --bw-intra/--bw-inter, else the --gpu datasheet's figure;
 the planner prints every figure it used.
 
@@ -115,3 +115,13 @@ def used(layout, where: dict, bw: dict) -> list:
     """Per communicating dimension of `layout`: its scope, collectives and the bus bandwidth used."""
     return [f"  {dim:<8}{where[dim]}-node  {'+'.join(collectives(layout, dim)):<26}{bw[dim] / 1e9:.3g} GB/s"
             for dim in dimensions(layout)]
+
+
+def bandwidths(layout, gpus_per_node: int, intra: float, inter: float) -> dict:
+    """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one.
+    `intra`, `inter`: bytes/s, or each collective's measured figure (Measured)."""
+    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.pp}
+    span["dp"] = span["zero3"] = span["pp"] * layout.dp                       # ZeRO-3 gathers in the dp group
+    span["ep"] = span["pp"] * layout.ep                                      # ep: consecutive dp ranks
+    return {dim: link(intra if s <= gpus_per_node else inter, layout, dim)
+            for dim, s in span.items()}

@@ -44,10 +44,10 @@ def print_plan(args, config, layout):
         print(f"pipeline bubble ({args.pp_schedule}, p={args.pp}, m={m}, V={args.pp_chunks}): "
               f"{timeline.theory_bubble(args.pp_schedule, args.pp, m, args.pp_chunks):.2%} of useful time")
     links = dict(zip(("intra", "inter"), measured_links.links_of(args)))
-    where = planner.bandwidths(layout, args.gpus_per_node, "intra", "inter")
+    where = measured_links.bandwidths(layout, args.gpus_per_node, "intra", "inter")
     lacking = sorted({where[dim] for dim in measured_links.dimensions(layout) if links[where[dim]] is None})
     if args.peak_tflops and any(links.values()) and not lacking:
-        bw = planner.bandwidths(layout, args.gpus_per_node, links["intra"], links["inter"])
+        bw = measured_links.bandwidths(layout, args.gpus_per_node, links["intra"], links["inter"])
         ratios = planner.overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
         print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
         for dim, r in ratios.items():

@@ -247,16 +247,6 @@ def overlap_ratios(config, layout: Layout, seq_len: int, mbs: int, peak_flops: f
     # end exercise
 
 
-def bandwidths(layout: Layout, gpus_per_node: int, intra: float, inter: float) -> dict:
-    """Rank order [TP, CP, PP, DP]: a group stays in a node while the degrees up to its own fit in one.
-    `intra`, `inter`: bytes/s, or each collective's measured figure (measured_links.py)."""
-    span = {"tp": layout.tp, "cp": layout.tp * layout.cp, "pp": layout.tp * layout.cp * layout.pp}
-    span["dp"] = span["zero3"] = span["pp"] * layout.dp                       # ZeRO-3 gathers in the dp group
-    span["ep"] = span["pp"] * layout.ep                                      # ep: consecutive dp ranks
-    return {dim: measured_links.link(intra if s <= gpus_per_node else inter, layout, dim)
-            for dim, s in span.items()}
-
-
 def build_parser():
     p = layout_rules.build_parser("Plan a layout: memory, communication, bubble and overlap per rank")
     g = p.add_argument_group("planner")

@@ -128,7 +128,7 @@ def estimate(config, layout, seq_len: int, mbs: int, m: int, cluster: Cluster, m
     intensity = 2 * rows * k * n / (e * (rows * k + k * n + rows * n))
     rate = cluster.peak * cluster.mfu
     times = {"compute": stage_flops / rate * max(1.0, cluster.peak / cluster.hbm / intensity)}
-    bw = planner.bandwidths(layout, cluster.per_node, cluster.intra, cluster.inter)
+    bw = measured_links.bandwidths(layout, cluster.per_node, cluster.intra, cluster.inter)
     ratios = planner.overlap_ratios(config, layout, seq_len, mbs, rate, bw)
     sent = [planner.stage_communication(config, layout, seq_len, mbs, m, s) for s in sorted({0, p - 1})]
     for dim in ("tp", "cp", "pp", "ep", "dp"):

@@ -86,6 +86,7 @@ from test_tensor_parallel import LOSS, PARAMS, shard_like
 
 import model as modeling
 import memory
+import measured_links
 import materialize
 import recompute
 import schedules
@@ -473,7 +474,7 @@ def test_llama3_sixteen_rank_groups():
         assert sorted(r for ranks in lists for r in ranks) == list(range(16)), name
     pipelines = grid.permute(0, 2, 3, 1).reshape(-1, 2).tolist()     # what pipeline.direction_groups builds
     assert sorted(pipelines) == sorted(groups["pp"])
-    assert planner.bandwidths(planner.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
+    assert measured_links.bandwidths(planner.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
         dict(tp="intra", cp="intra", pp="intra", dp="inter", zero3="inter", ep="intra")   # only dp crosses
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import forkrun
+import measured_links
 import planner
 import search
 import step_time
@@ -95,7 +96,7 @@ def test_step_time_is_the_sum_of_its_terms():
     assert slowdown > 1
     assert plan.times["compute"] == pytest.approx(flops / (989e12 * 0.5) * slowdown, rel=1e-12)
     sent = [planner.stage_communication(config, lay, 2048, 2, 8, s) for s in (0, 1)]
-    bw = planner.bandwidths(lay, 8, 450e9, 50e9)
+    bw = measured_links.bandwidths(lay, 8, 450e9, 50e9)
     ratios = planner.overlap_ratios(config, lay, 2048, 2, 989e12 * 0.5, bw)
     assert plan.times["tp"] == pytest.approx(max(s["tp"] for s in sent) / 450e9, rel=1e-12)
     for dim in ("pp", "dp"):
