@@ -11,6 +11,7 @@ Playbook §5.1 (collective operations) and ZeRO §7 (communication volume). Two 
    process group, without the technique code knowing about it: the group is read from the call's
    arguments, keyword or positional (a call without one counts as "world"), and each P2POp of a
    `batch_isend_irecv` counts as the isend or irecv it is. Technique code calls torch as usual.
+   Collectives inside torch.compile'd code are not counted, and the table says so (`_compiled_note`).
 
 Bytes per rank for a collective over N ranks on a K-byte tensor (the table of every operation is in
 02_data_parallel/README.md): payload K; wire = the bytes this rank sends with the ring algorithm,
@@ -24,8 +25,10 @@ New compared with 01: 01 communicates nothing; every later folder's tables come 
 """
 import functools
 import inspect
+import sys
 from collections import defaultdict
 
+import torch
 import torch.distributed as dist
 
 # ======================================================================================
@@ -143,6 +146,8 @@ class CommMeter:
 
         @functools.wraps(fn)
         def metered(*args, **kwargs):
+            if torch.compiler.is_compiling():   # traced into a graph: see _compiled_note
+                return fn(*args, **kwargs)
             call = signature.bind(*args, **kwargs)
             call.apply_defaults()
             self._count(op, call.arguments.get("group"), list(call.arguments.values()))
@@ -153,6 +158,8 @@ class CommMeter:
     def _wrap_batch(self, fn):
         @functools.wraps(fn)
         def metered(p2p_op_list):
+            if torch.compiler.is_compiling():
+                return fn(p2p_op_list)
             for p2p in p2p_op_list:   # torch runs p2p.op unwrapped: count it here, once
                 op = "isend" if p2p.op is dist.distributed_c10d.isend else "irecv"
                 self._count(op, p2p.group, [p2p.tensor])
@@ -200,4 +207,15 @@ class CommMeter:
                      else round(self.calls[key] / steps, 2))
             rows.append(f"  {key[0]:<16}{key[1]:<10}{calls:>7}{self.payload[key] / steps / 2**20:>12.3f}"
                         f"{self.wire[key] / steps / 2**20:>10.3f}")
-        return "\n".join(rows)
+        return "\n".join(rows + _compiled_note())
+
+
+def _compiled_note() -> list:
+    """The table's last line once torch.compile has made a graph in this process. The meter counts in
+    Python, which a compiled graph never runs: counting there would happen once, while tracing, and a
+    counter mutated inside an autograd.Function breaks the graph. So the wrappers stay out of the trace
+    (a layer stays one graph) and the collectives of compiled code (--compile's layers) are not counted."""
+    dynamo = sys.modules.get("torch._dynamo")     # imported by torch.compile's first use
+    if dynamo is None or not dynamo.utils.counters["stats"]["unique_graphs"]:
+        return []
+    return ["  (collectives inside torch.compile'd code are not counted: run without --compile for them)"]

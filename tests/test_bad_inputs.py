@@ -166,6 +166,8 @@ CASES = [
      "drop --text-column", {}),
     ("compile-without-compiler", "01", ["--compile"], "install g++ (or set CXX)", {"CXX": "/no/such/c++"}),
     ("compile-moe", "07", ["--compile"], "--compile does not take the mixture-of-experts layer", {}),
+    ("compile-triton-interpreter", "01", ["--compile", "--kernels", "triton"],
+     "drop --compile or run on a GPU", {"TRITON_INTERPRET": "1"}),
     ("tied-preset-zero3", "03", ["--preset", "llama3-1b", "--zero-stage", "3"],
      "pass --no-tie-embeddings", {}),
     ("tied-preset-pp2", "06", ["--preset", "llama3-1b", "--pp", "2"], "pass --no-tie-embeddings", {}),
@@ -269,7 +271,8 @@ CASES = [
     ("init-from-missing-layer", "01", ["--init-from", "{hf_missing_layer}"],
      "pass a folder whose config.json and weights were saved together", {}),
 ]
-NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu"}     # on a GPU machine Triton runs
+# on a GPU machine Triton runs
+NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu", "compile-triton-interpreter"}
 
 # The tools that read checkpoints and the planner: (id, script, whole argv, the fix, env). A tool's line names
 # its own flags: none of them has --resume.

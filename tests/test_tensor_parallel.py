@@ -385,3 +385,20 @@ def test_bad_layouts_fail_before_any_process_group():
     with pytest.raises(ValueError, match=r"does not equal the world size 2"):
         _check("--tp", "2", "--dp", "2", world=2)
     # As a user meets it (`python 04_tensor_parallel/train.py --tp 3`: exit 2, one line): test_bad_inputs
+
+
+def test_compile_gives_one_graph_per_layer_and_says_what_the_meter_missed(monkeypatch, capsys):
+    """--compile under tensor parallelism: each decoder layer is one graph with no break (the layers share
+    it), though the meter wraps every collective. The meter's counting is Python that a compiled graph
+    does not run, so it stays out of the trace and the table says the compiled layers' collectives are
+    not in it. A world of one (tp 1 calls the same collectives) and dynamo's eager backend: the graph
+    breaks are dynamo's, whatever compiles the graph after it."""
+    compile_layer = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda layer: compile_layer(layer, backend="eager"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    tp_train.main(common.argv("--compile", "--tp", "1", "--dataset", "synthetic", steps=2))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert "collectives inside torch.compile'd code are not counted" in capsys.readouterr().out

@@ -59,6 +59,9 @@ def check_values(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
     check_triton(args.kernels, args.attn)
+    if args.compile and "triton" in (args.kernels, args.attn) and not torch.cuda.is_available():
+        raise ValueError("--compile with Triton kernels on the CPU: torch.compile cannot trace Triton's "
+                         "interpreter, which runs them here: drop --compile or run on a GPU")
     compiler = os.environ.get("CXX", "g++")     # the C++ compiler inductor builds its CPU kernels with
     if args.compile and args.device == "cpu" and not shutil.which(compiler):
         raise ValueError(f"--compile on the CPU builds C++ kernels, but the compiler {compiler} is not on "
