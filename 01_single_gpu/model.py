@@ -94,8 +94,20 @@ def sdpa_attention(q, k, v):
     """Causal attention core: q (B, nh, T, hd), k/v (B, nkv, T, hd) -> (B, nh, T, hd).
 
     enable_gqa: query head h reads key/value head h // (nh/nkv) inside the kernel, without the copies
-    `repeat_interleave` would make (nh/nkv times K and V, forward and backward)."""
+    `repeat_interleave` would make (nh/nkv times K and V, forward and backward). On CUDA only the
+    FlashAttention backend takes it, in bf16/fp16: float32 would fall to the math backend, which holds the
+    (B, nh, T, T) scores. There K and V are repeated instead, B·nh·T·hd each, for the memory-efficient one."""
+    on_cuda_in = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    if q.is_cuda and k.shape[1] != q.shape[1] and on_cuda_in not in (torch.bfloat16, torch.float16):
+        return sdpa_repeated_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def sdpa_repeated_kv(q, k, v):
+    """`sdpa_attention` with each key/value head copied for the nh/nkv query heads that read it."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)         # (B, nh, T, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def eager_attention(q, k, v):

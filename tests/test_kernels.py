@@ -361,6 +361,19 @@ def test_flash_attention_model_shapes(dtype, head_dim):
 
 
 @on_gpu
+def test_sdpa_float32_gqa_runs_without_the_math_backend():
+    """01's sdpa_attention in float32 with fewer key/value heads than heads (GQA 8:2, T 1000, hd 64): with
+    SDPA's math backend ruled out it still runs (repeated K/V, the memory-efficient backend; enable_gqa would
+    need the math one), and equals the eager attention in float64 within float32's rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (randn(1, h, 1000, 64, seed=s).to(DEVICE) for s, h in enumerate((8, 2, 2)))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        out = modeling.sdpa_attention(q, k, v)
+    truth = fa.attention_reference(q.double(), k.double(), v.double(), True)
+    torch.testing.assert_close(out.double(), truth, rtol=1e-5, atol=1e-5)
+
+
+@on_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_row_kernels_model_shapes(dtype):
     x, w = randn(4, 1000, 3000), 1 + randn(3000, seed=1, scale=0.1)

@@ -98,6 +98,22 @@ def test_eager_attention_is_causal_attention_over_shared_kv_heads():
     assert not torch.allclose(moved[:, :, -1], out[:, :, -1])
 
 
+def test_sdpa_with_repeated_kv_heads_equals_sdpa_with_gqa():
+    """float32 on CUDA takes `sdpa_repeated_kv` (SDPA's GQA would run its math backend there): the same
+    attention as enable_gqa's, head h reading key/value head h // 2 (GQA 4:2), outputs and gradients.
+    float32, only the kernels' summation order differs: 1e-6. (That the memory-efficient backend then runs
+    is checked on a GPU: tests/test_kernels.py::test_sdpa_float32_gqa_runs_without_the_math_backend.)"""
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, heads, 7, 8, generator=g, requires_grad=True) for heads in (4, 2, 2)]
+    dy = torch.randn(2, 4, 7, 8, generator=g)
+    results = []
+    for attention in (modeling.sdpa_attention, modeling.sdpa_repeated_kv):
+        out = attention(*inputs)
+        results.append([out, *torch.autograd.grad(out, inputs, dy)])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_rotary_embedding_turns_each_pair_by_position_times_frequency():
     """RoPE (RoFormer): the model's `rotary_cos_sin` + `apply_rotary` turn the pair (x_i, x_{i+hd/2}) of
     position m, read as the complex number x_i + i·x_{i+hd/2}, by the angle m·ω_i (ω from `rope_inv_freq`),
