@@ -159,3 +159,14 @@ def test_a_stage_past_its_limit_is_ended_with_its_children(tmp_path):
     stat = Path(f"/proc/{pid}/stat")
     # Killed: gone, or a zombie its new parent has not reaped yet
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_an_imported_run_can_be_committed():
+    """report.py --import-run keeps a run in kernels/results/runs/<run>/: git must not ignore it (a
+    TensorBoard `runs/` folder elsewhere stays ignored)."""
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert not ignored("kernels/results/runs/2026-11-28-nvidia-h100/records.jsonl")
+    assert ignored("runs/tensorboard-events") and ignored("05_sequence_context_parallel/runs/x")
