@@ -16,10 +16,12 @@ sleep kernel) and the call's GPU launches: kernels/gpu_timer.py says how and why
 
     python kernels/bench.py                    # every shape, with torch.compile (~10-20 min)
     python kernels/bench.py --quick --no-compile --plot
+    python kernels/bench.py --largest --no-compile --only attention --results DIR --append   # gpu_run.py
     python kernels/bench.py --plot-from kernels/results/<device>.json     # redraw, no GPU needed
-Writes kernels/results/<device>.md and <device>.json (device, torch / Triton / CUDA versions, every row);
---plot also <device>.png: one panel per kernel (% of the measured peak per shape, pass and implementation)
-and one of the fused cross-entropy's peak extra memory.
+Writes kernels/results/<device>.md and <device>.json (device, torch / Triton / CUDA versions, every row),
+rewritten as each row finishes, so a run cut short keeps its rows; --plot also <device>.png: one panel per
+kernel (% of the measured peak per shape, pass and implementation) and one of the fused cross-entropy's
+peak extra memory.
 """
 import os
 import sys
@@ -30,17 +32,15 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu")]
 from pathlib import Path
 
 import argparse
-import functools
 import json
-import re
 import statistics
 import time
 
 import torch
 
 from kernels import bench_plot
+from kernels.bench_results import RESULTS, earlier_results, format_row, gib_text, merged, write_results
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE = "cuda"           # the one place the device is named
 DTYPE = torch.bfloat16
 # (tokens N = seq at batch 1, hidden C, intermediate F): Llama-3.2-1B and Llama-3-8B widths
@@ -50,6 +50,7 @@ ROW_SHAPES = [(2048, 2048, 8192), (8192, 2048, 8192), (2048, 4096, 14336), (8192
 ATTN_SHAPES = [(1, 32, 8, 2048, 128), (1, 32, 8, 2048, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 8192, 128)]
 CE_SHAPES = [(2048, 2048, 128256), (8192, 4096, 128256)]       # N tokens, C, V (Llama-3 vocabulary)
 EAGER_ATTN_MAX_T = 4096   # beyond it, eager's (B, nh, T, T) float32 scores and their gradients exceed 30 GB
+KERNELS = ("rmsnorm", "swiglu", "rope", "attention", "linear+cross-entropy")      # --only's names
 
 
 class Timer:
@@ -100,9 +101,9 @@ def forward_backward(fn, inputs, grad_out):
 
 
 def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work_fwd, work_fwd_bwd,
-          gpu=None):
+          gpu=None, on_row=None):
     """One row per implementation and pass; gpu(run) -> {"gpu_ms", "launches"} (gpu_timer.GpuTime) adds
-    the GPU time, its fraction of the peak and the launch count."""
+    the GPU time, its fraction of the peak and the launch count; on_row() after each row."""
     peak = peaks["copy_gbps"] if unit == "GB/s" else peaks["matmul_bf16_tflops"]
     to_rate = 1e6 if unit == "GB/s" else 1e9           # bytes/ms -> GB/s, FLOP/ms -> TFLOP/s
     for impl, fn in impls.items():
@@ -123,16 +124,8 @@ def bench(rows, timer, peaks, kernel, shape, impls, inputs, grad_out, unit, work
                     row.update(gpu_ms=None, launches=None, gpu_error=f"{type(e).__name__}: {str(e)[:120]}")
             rows.append(row)
             print(format_row(row), flush=True)
-
-
-def format_row(r):
-    if r.get("ms") is None:
-        return f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | failed: {r['error']} | | | | |"
-    gpu = f"{r['gpu_ms']:.3f} ({100 * r['gpu_of_peak']:.0f}%)" if r.get("gpu_ms") is not None else "-"
-    launches = r.get("launches")
-    return (f"| {r['kernel']} | {r['shape']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | "
-            f"{r['rate']:.1f} {r['unit']} | {100 * r['of_peak']:.0f}% | {gpu} | "
-            f"{'-' if launches is None else launches} |")
+            if on_row:
+                on_row()
 
 
 def peak_extra_gib(fn, inputs):
@@ -145,19 +138,22 @@ def peak_extra_gib(fn, inputs):
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def gib_text(gib):
-    return "failed" if gib is None else f"{gib:.2f}"
-
-
-def run_all(args, timer, peaks, gpu=None):
+def run_all(args, timer, peaks, gpu=None, on_row=None):
+    """Rows and memory entries of the kernels in args.only (all if None), at args.quick's first or
+    args.largest's last shape of each (else all); on_row(rows, memory) after each one."""
     from kernels import rmsnorm as rms, swiglu as swi, rope as rot
     from kernels import fused_linear_cross_entropy as flce
     from kernels import flash_attention as fa
     import model as modeling
     import rope
     rows, memory = [], []
-    measure = functools.partial(bench, rows, timer, peaks, gpu=gpu)     # adds one kernel's rows
-    take = (lambda shapes: shapes[:1]) if args.quick else (lambda shapes: shapes)
+    wanted = set(args.only or KERNELS)
+    done = on_row or (lambda rows, memory: None)
+
+    def measure(kernel, *rest):     # one kernel's rows at one shape, each implementation and pass
+        if kernel in wanted:
+            bench(rows, timer, peaks, kernel, *rest, gpu=gpu, on_row=lambda: done(rows, memory))
+    take = lambda shapes: shapes[:1] if args.quick else shapes[-1:] if args.largest else shapes  # noqa: E731
     randn = lambda *s, grad=True: (torch.randn(*s, device=DEVICE, dtype=DTYPE)  # noqa: E731
                                    .requires_grad_(grad))
 
@@ -184,7 +180,7 @@ def run_all(args, timer, peaks, gpu=None):
         measure("rope", f"nh={c // 128} T={n} hd=128", impls(rot.rope_reference, rot.rope),
                 (q, cos, sin), torch.randn_like(q), "GB/s", 2 * n * c * b, 4 * n * c * b)
 
-    for B, nh, nkv, T, hd in take(ATTN_SHAPES):
+    for B, nh, nkv, T, hd in take(ATTN_SHAPES) if "attention" in wanted else ():
         q, k, v = randn(B, nh, T, hd), randn(B, nkv, T, hd), randn(B, nkv, T, hd)
         sdpa = {"sdpa-flash": sdpa_flash(modeling.sdpa_attention)}
         variants = impls(lambda q, k, v: fa.attention_reference(q, k, v, True), fa.causal_flash_attention,
@@ -195,7 +191,7 @@ def run_all(args, timer, peaks, gpu=None):
         measure("attention", f"B={B} nh={nh} nkv={nkv} T={T} hd={hd}", variants,
                 (q, k, v), torch.randn_like(q), "TFLOP/s", flops, 3.5 * flops)
 
-    for n, c, vocab in take(CE_SHAPES):
+    for n, c, vocab in take(CE_SHAPES) if "linear+cross-entropy" in wanted else ():
         h, w = randn(n, c), (torch.randn(vocab, c, device=DEVICE, dtype=DTYPE) * 0.02).requires_grad_()
         targets = torch.randint(0, vocab, (n,), device=DEVICE)
         variants = impls(flce.linear_cross_entropy_reference, flce.fused_linear_cross_entropy)
@@ -210,6 +206,7 @@ def run_all(args, timer, peaks, gpu=None):
             memory.append(dict(shape=f"N={n} C={c} V={vocab}", impl=impl, peak_extra_gib=gib,
                                logits_gib=n * vocab * 2 / 2**30))
             print(f"  peak extra memory of {impl}: {gib_text(gib)} GiB", flush=True)
+            done(rows, memory)
     return rows, memory
 
 
@@ -223,33 +220,14 @@ def sdpa_flash(sdpa_attention):
     return run
 
 
-def write_results(meta, peaks, rows, memory):
-    RESULTS.mkdir(exist_ok=True)
-    stem = re.sub(r"[^a-z0-9]+", "-", meta["device"].lower()).strip("-")
-    (RESULTS / f"{stem}.json").write_text(json.dumps(dict(meta, peaks=peaks, rows=rows, memory=memory),
-                                                     indent=1))
-    lines = [f"# Kernel benchmark: {meta['device']}", "",
-             f"torch {meta['torch']}, Triton {meta['triton']}, CUDA {meta['cuda']}, {meta['date']}. "
-             f"Written by `python kernels/bench.py`.", "",
-             f"Measured peaks in this run: bf16 matmul {peaks['matmul_bf16_tflops']:.0f} TFLOP/s, "
-             f"device-to-device copy {peaks['copy_gbps']:.0f} GB/s.", "",
-             "ms: CUDA events around each call; GPU ms: the same with the host's enqueue hidden "
-             "(kernels/gpu_timer.py), and its fraction of the peak; launches: GPU operations per call.", "",
-             "| kernel | shape | impl | pass | ms | rate | of peak | GPU ms | launches |",
-             "|---|---|---|---|---|---|---|---|---|",
-             *map(format_row, rows), "",
-             "## Linear + cross-entropy: peak extra memory of forward + backward", "",
-             "| shape | impl | peak extra GiB | bf16 logits alone GiB |", "|---|---|---|---|",
-             *(f"| {m['shape']} | {m['impl']} | {gib_text(m['peak_extra_gib'])} | {m['logits_gib']:.2f} |"
-               for m in memory)]
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / stem}.md and .json")
-    return RESULTS / stem
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Time the Triton kernels against eager, torch.compile and SDPA")
     p.add_argument("--quick", action="store_true", help="only the first shape of each kernel")
+    p.add_argument("--largest", action="store_true", help="only the largest shape of each kernel")
+    p.add_argument("--only", nargs="+", choices=KERNELS, help="only these kernels (default: all)")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the folder <device>.json and .md go to")
+    p.add_argument("--append", action="store_true",
+                   help="keep the rows already in the folder's <device>.json (those measured again replaced)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=30)
@@ -278,8 +256,12 @@ def main(argv=None):
     print(f"peaks: {peaks['matmul_bf16_tflops']:.0f} TFLOP/s bf16 matmul, {peaks['copy_gbps']:.0f} GB/s copy")
     from kernels.gpu_timer import GpuTime
     gpu = GpuTime(timer) if args.gpu_time else None
-    rows, memory = run_all(args, timer, peaks, gpu)
-    stem = write_results(meta, peaks, rows, memory)
+    earlier = earlier_results(args.results, meta["device"]) if args.append else ([], [])
+
+    def write(rows, memory, quiet=True):     # after each row: a run cut short keeps what it measured
+        return write_results(meta, peaks, *merged(earlier, rows, memory), args.results, quiet)
+    rows, memory = run_all(args, timer, peaks, gpu, on_row=write)
+    stem = write(rows, memory, quiet=False)
     if args.plot:
         result = dict(meta, peaks=peaks, rows=rows, memory=memory)
         print(f"wrote {bench_plot.plot_results(result, stem.with_suffix('.png'))}")

@@ -141,19 +141,44 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale, T, H, H_KV, stride_qb, stride_qh
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_i), mask=row_ok)   # log2 units
 
 
+# Forward tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) of Triton's tutorial space that fit an A100's
+# and an H100's shared memory without spilling registers (python kernels/compile_check.py shows it), by
+# the operands' dtype and the padded head dim. float32 runs exact FMA dots, which need far more registers
+# than a tensor-core dot: only small tiles keep theirs (64 × 32 at hd 80 spills 66-75 KB a thread, stores
+# and loads, on sm_90 and sm_80).
+FORWARD_TILES = {"16-bit": [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3), (64, 32, 4, 4),
+                            (128, 128, 8, 2)],
+                 "16-bit, hd 128": [(128, 64, 8, 3), (64, 32, 4, 4)],
+                 "float32": [(32, 16, 8, 1)]}
+
+
+def tile_class(dtype, block_d: int) -> str:
+    """Which tile list serves these operands: FORWARD_TILES' and flash_attention_backward's keys."""
+    if dtype == torch.float32:
+        return "float32"
+    return "16-bit, hd 128" if block_d > 64 else "16-bit"
+
+
 def _forward_configs():
-    """A few tiles of the tutorial's space (BLOCK_M ≥ BLOCK_N); the CPU interpreter gets one, so it
-    never benchmarks (autotune times configs only when it has several), and a large one, since its
+    """Every tile of FORWARD_TILES; `_forward_fits` keeps a launch's own. The CPU interpreter gets one,
+    so it never benchmarks (autotune times configs only when it has several), and a large one, since its
     time goes per tile operation."""
     if triton.knobs.runtime.interpret:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                               (64, 32, 4, 4), (128, 128, 8, 2)]]
+    tiles = dict.fromkeys(t for listed in FORWARD_TILES.values() for t in listed)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
+def _forward_fits(configs, named_args, **kwargs):
+    """autotune's early_config_prune: the tiles of this launch's dtype and head dim."""
+    mine = FORWARD_TILES[tile_class(named_args["Q"].dtype, kwargs["BLOCK_D"])]
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in mine]
 
 
 # Re-tuned per head dim, sequence length, causality and dtypes (autotune adds the tensors' dtypes).
-_attn_fwd_tuned = triton.autotune(_forward_configs(), key=["T", "HEAD_DIM", "CAUSAL"])(_attn_fwd_kernel)
+_attn_fwd_tuned = triton.autotune(_forward_configs(), key=["T", "HEAD_DIM", "CAUSAL"],
+                                  prune_configs_by={"early_config_prune": _forward_fits})(_attn_fwd_kernel)
 
 
 def strides(x):

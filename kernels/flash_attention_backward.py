@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flash_attention import LOG2E, load_tile, strides
+from kernels.flash_attention import LOG2E, load_tile, strides, tile_class
 
 
 @triton.jit
@@ -207,30 +207,53 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, T, H, H
              mask=(offs_m[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
 
 
-def _backward_configs():
-    """Warps and pipeline stages (the tiles are fixed by the no-mask split): the tutorial's 4 warps and
-    5 stages first; a config that does not fit a GPU's shared memory is skipped by autotune."""
+# Rows a program owns and streams, (owned, streamed), and the (num_warps, num_stages) autotune may pick,
+# per kernel, by flash_attention.tile_class: the tutorial's 128 × 32 where it fits the registers, else
+# fewer. All fit an A100's and an H100's shared memory without spilling (kernels/compile_check.py); the
+# tutorial's 4-warp dK/dV configs spilled 0.4-6.2 KB a thread for sm_90 at hd 64-128 (stores and loads).
+BACKWARD_TILES = {"16-bit": {"dkdv": ((128, 32), [(8, 2)]), "dq": ((128, 32), [(8, 3), (4, 3)])},
+                  "16-bit, hd 128": {"dkdv": ((64, 16), [(8, 2)]), "dq": ((128, 32), [(8, 3), (8, 2)])},
+                  "float32": {"dkdv": ((32, 16), [(8, 1)]), "dq": ((32, 16), [(8, 1)])}}
+
+
+def _backward_configs(kernel: str):
+    """Every (num_warps, num_stages) of BACKWARD_TILES for this kernel; `_backward_fits` keeps the
+    launch's own. The CPU interpreter gets one (it never benchmarks then)."""
     if triton.knobs.runtime.interpret:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in [(4, 5), (4, 3), (8, 3), (4, 2)]]
+    listed = dict.fromkeys(c for tiles in BACKWARD_TILES.values() for c in tiles[kernel][1])
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in listed]
+
+
+def _backward_fits(kernel: str):
+    def fits(configs, named_args, **kwargs):   # autotune's early_config_prune
+        mine = BACKWARD_TILES[tile_class(named_args["Q"].dtype, kwargs["BLOCK_D"])][kernel][1]
+        return [c for c in configs if (c.num_warps, c.num_stages) in mine]
+    return fits
 
 
 _KEY = ["T", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "CAUSAL"]
-_dkdv_tuned = triton.autotune(_backward_configs(), key=_KEY)(_attn_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(_backward_configs(), key=_KEY)(_attn_bwd_dq_kernel)
-# The tutorial's tiles: a program owns 128 rows and streams 32 at a time. The interpreter's time goes per
-# tile operation, so on the CPU the model's tests stream 64 (test_flash_attention_tutorial_tiling keeps
-# the GPU's proportions).
-OWNED, STREAMED = (64, 64) if triton.knobs.runtime.interpret else (128, 32)
+
+
+def _tuned(name: str, kernel):
+    return triton.autotune(_backward_configs(name), key=_KEY,
+                           prune_configs_by={"early_config_prune": _backward_fits(name)})(kernel)
+
+
+_dkdv_tuned, _dq_tuned = _tuned("dkdv", _attn_bwd_dkdv_kernel), _tuned("dq", _attn_bwd_dq_kernel)
+# Tiles a caller fixed (the tests' small ones): one launch each, no autotuning. The interpreter's time
+# goes per tile operation, so on the CPU the default is 64 × 64 (test_flash_attention_tutorial_tiling
+# keeps the GPU's proportions).
+FIXED_CONFIG = dict(num_warps=4, num_stages=1)
+INTERPRETER_TILES = (64, 64)
 
 
 def attention_backward(q, k, v, o, lse, do, causal: bool, scale: float, precision: str, blocks=None):
     """dq (B, nh, T, hd), dk, dv (B, nkv, T, hd) from the forward's q, k, v, o, lse and dO, all read through
-    their strides. blocks = (owned, streamed) rows per program, powers of two ≥ 16; default (128, 32)."""
+    their strides. blocks = (owned, streamed) rows per program for both kernels, powers of two ≥ 16, one
+    launch each; default BACKWARD_TILES', autotuned."""
     B, H, T, D = q.shape
     H_KV = k.shape[1]
-    owned, streamed = blocks or (OWNED, STREAMED)
-    diag = max(16, streamed // 2)                     # tl.dot's smallest tile is 16
     block_d = max(16, triton.next_power_of_2(D))
     delta = torch.empty_like(lse)                                                # (B, nh, T)
     _attn_bwd_preprocess[(triton.cdiv(T, 64), B * H)](o, do, delta, T, H, *strides(o), *strides(do),
@@ -240,10 +263,20 @@ def attention_backward(q, k, v, o, lse, do, causal: bool, scale: float, precisio
     tensors = (q, k, v, do, lse, delta)
     layout = (*strides(q), *strides(k), *strides(v), *strides(do))
     common = dict(HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, PRECISION=precision)
-    _dkdv_tuned[(triton.cdiv(T, owned), B * H_KV)](
+    if triton.knobs.runtime.interpret and not blocks:
+        blocks = INTERPRETER_TILES
+    if blocks:
+        dkdv, dq_kernel, dkdv_tiles, dq_tiles = _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, blocks, blocks
+        common.update(FIXED_CONFIG)
+    else:
+        tiles = BACKWARD_TILES[tile_class(q.dtype, block_d)]
+        dkdv, dq_kernel, dkdv_tiles, dq_tiles = _dkdv_tuned, _dq_tuned, tiles["dkdv"][0], tiles["dq"][0]
+    owned, streamed = dkdv_tiles               # a dK/dV program owns keys, a dQ program queries
+    dkdv[(triton.cdiv(T, owned), B * H_KV)](
         *tensors, dk, dv, scale, scale * LOG2E, T, H, H_KV, *layout, *strides(dk), BLOCK_M=streamed,
-        BLOCK_N=owned, BLOCK_M_DIAG=diag, **common)
-    _dq_tuned[(triton.cdiv(T, owned), B * H)](
+        BLOCK_N=owned, BLOCK_M_DIAG=max(16, streamed // 2), **common)   # tl.dot's smallest tile is 16
+    owned, streamed = dq_tiles
+    dq_kernel[(triton.cdiv(T, owned), B * H)](
         *tensors, dq, scale, scale * LOG2E, T, H, H_KV, *layout, *strides(dq), BLOCK_M=owned,
-        BLOCK_N=streamed, BLOCK_N_DIAG=diag, **common)
+        BLOCK_N=streamed, BLOCK_N_DIAG=max(16, streamed // 2), **common)
     return dq, dk, dv

@@ -112,15 +112,19 @@ def run_section(folder: Path) -> str:
              f"{m['budget_s']:.0f}` ([{where}/]({where}/): records.jsonl, log.txt, machine.txt)."]
     for t in (r for r in records if r["stage"] == "tests"):
         counts = (f"{t['passed']} passed, {t['failure'] + t['error']} failed, {t['skipped']} skipped"
+                  + (f" ({t['status']}; counted from {t['source']})" if t["status"] != "ok" else "")
                   if "passed" in t else t["status"])
         failed = f" (failed: {', '.join(t['failed_names'])})" if t.get("failed_names") else ""
-        lines += ["", f"Tests, `pytest {shlex.join(t['files'])}`: {counts}{failed}."]
+        lines += ["", f"Tests, `pytest {shlex.join(t.get('files') or t['what'].split())}`: {counts}{failed}."]
     lines += train_lines([r for r in records if r["stage"] == "train"])
-    bench = next((r for r in records if r["stage"] == "bench"), None)
-    if bench and bench.get("file"):
-        lines += bench_lines(json.loads((folder / bench["file"]).read_text()), bench, where)
-    elif bench:
-        lines += ["", f"Kernel bench: {bench['status']}."]
+    benches = [r for r in records if r["stage"] == "bench"]
+    written = [r for r in benches if r.get("file")]     # one <device>.json: every bench stage adds its rows
+    if written:
+        record = dict(written[0], fields=sorted({f for r in written for f in r["fields"]}))
+        lines += bench_lines(json.loads((folder / record["file"]).read_text()), record, where)
+    not_ok = [f"{' '.join(r.get('kernels') or r['what'].split())}: {r['status']}" for r in benches
+              if r["status"] != "ok"]
+    lines += ["", f"Kernel bench stages not finished: {'; '.join(not_ok)}."] if not_ok else []
     return "\n".join(lines)
 
 
@@ -138,11 +142,13 @@ def train_lines(rows: list) -> list:
              f"micro-batch {first['mbs']} (medians of steps {WARM_UP_STEPS + 1}-{first['steps']}; MFU "
              f"against {number(first['peak_tflops'], '.0f')} TFLOP/s dense bf16, {first['mfu_convention']}):",
              "", "| model | vocab | `--kernels` | `--attn` | `--precision-layout` | compile | grad-acc "
-             "| tokens/s | MFU | allocator peak (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens/s | MFU | allocator peak (GiB) | step, first step (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ran:
         measured = (f"{number(r['tokens_per_s'], ',.0f')} | {number(r['mfu'], '.1%')} | "
-                    f"{number(r['peak_memory_gib'], '.1f')}" if r["status"] == "ok"
-                    else f"{r['status']} | | ")
+                    f"{number(r['peak_memory_gib'], '.1f')} | {number(r.get('step_s'), '.2f')}, "
+                    f"{number(r.get('first_step_s'), '.1f')}" if r["status"] == "ok"
+                    else f"{r['status']} | | | ")
         lines.append(f"| {r['shape']} | {r['vocab_size']} | {r['kernels']} | {r['attn']} | "
                      f"{r['precision_layout']} | {'yes' if r['compile'] else 'no'} | {r['grad_acc']} | "
                      f"{measured} |")

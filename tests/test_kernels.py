@@ -289,7 +289,12 @@ def test_flash_attention_tutorial_tiling(dtype, causal):
     """The tutorial's tiling at a scale the interpreter affords: T = 100, hd 80 (padded to 128), GQA 4:2.
     Forward tiles 64 × 32 (the causal diagonal spans two key blocks); backward programs own 64 rows and
     stream 32, the diagonal in 16-row sub-tiles. So every stage runs: unmasked blocks below the diagonal,
-    masked diagonal sub-tiles, whole blocks after it and a ragged last block (100 = 3·32 + 4)."""
+    masked diagonal sub-tiles, whole blocks after it and a ragged last block (100 = 3·32 + 4). On a GPU
+    float32 is left to the interpreter: its exact FMA dots on these tiles spill 66-190 KB a thread (stores
+    and loads) and took up to 28 CPU-s a compile on our CPU (kernels/compile_check.py); bf16 runs the same
+    tiling there."""
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 on 64-row tiles: spills, minutes of compiles on a GPU; the interpreter tests it")
     q, k, v = randn(1, 4, 100, 80), randn(1, 2, 100, 80, seed=1), randn(1, 2, 100, 80, seed=2)
     check(lambda q, k, v: fa.flash_attention(q, k, v, causal, block_m=64, block_n=32),
           lambda q, k, v: fa.attention_reference(q, k, v, causal), [q, k, v], dtype, ["o", "dq", "dk", "dv"])
@@ -509,7 +514,6 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROW_SHAPES", [(20, 256, 48)])          # hd 128 RoPE needs C ≥ 128
     monkeypatch.setattr(bench, "ATTN_SHAPES", [(1, 2, 1, 20, 16)])
     monkeypatch.setattr(bench, "CE_SHAPES", [(12, 32, 96)])
-    monkeypatch.setattr(bench, "RESULTS", tmp_path)
 
     def wall_clock_ms(fn):
         fn()
@@ -521,7 +525,8 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     # The GPU time's plumbing, with the wall clock again standing in (gpu_timer.GpuTime is GPU-only: its
     # own test is test_gpu_time_hides_the_host below).
     gpu = lambda run: {"gpu_ms": wall_clock_ms(run), "launches": 1}   # noqa: E731
-    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False), wall_clock_ms, peaks, gpu)
+    rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False, largest=False, only=None),
+                                 wall_clock_ms, peaks, gpu)
     expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
         | {("rope", i) for i in ("eager", "triton")} \
         | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
@@ -536,7 +541,7 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
         assert r["launches"] == 1
     assert [m["impl"] for m in memory] == ["eager", "triton"]             # CUDA memory stats: n/a on CPU
     bench.write_results(dict(device="cpu interpreter check", torch=torch.__version__,
-                             triton=triton.__version__, cuda=None, date="-"), peaks, rows, memory)
+                             triton=triton.__version__, cuda=None, date="-"), peaks, rows, memory, tmp_path)
     text = (tmp_path / "cpu-interpreter-check.md").read_text()
     assert text.count("\n| rmsnorm |") == 4 and "peak extra GiB" in text
     assert "| GPU ms | launches |" in text and all(line.count("|") == 10 for line in text.splitlines()
