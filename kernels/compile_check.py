@@ -20,6 +20,7 @@ compile error, on shared memory over the GPU's limit, or on a spill in a launch 
 
     python kernels/compile_check.py                   # everything, both GPUs (kernels/README.md: the cost)
     python kernels/compile_check.py --workload bench --arch 90 --kernel _attn_fwd_kernel
+    python kernels/compile_check.py --list            # the launches recorded, compiled or not
 """
 import os
 import sys
@@ -76,29 +77,28 @@ class Launch:
     workloads: set = field(default_factory=set)
 
 
+def stand_ins(args) -> tuple:
+    return tuple(Pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 @contextlib.contextmanager
 def recording(workload: str, launches: list):
     """Triton's launches inside the block are appended to `launches` instead of run (no GPU needed)."""
     def jit_run(self, *args, grid, warmup, **kwargs):
-        launches.append(Launch(self, tuple(map(stand_in, args)), kwargs, False, {workload}))
+        launches.append(Launch(self, stand_ins(args), kwargs, False, {workload}))
 
     def autotuned_run(self, *args, grid, warmup, **kwargs):
         self.nargs = dict(zip(self.arg_names, args))          # what early_config_prune reads
         configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
         self.nargs = None
-        for config in configs:
-            launches.append(Launch(self.fn, tuple(map(stand_in, args)), {**kwargs, **config.all_kwargs()},
-                                   True, {workload}))
+        launches.extend(Launch(self.fn, stand_ins(args), {**kwargs, **c.all_kwargs()}, True, {workload})
+                        for c in configs)
     saved = JITFunction.run, Autotuner.run
     JITFunction.run, Autotuner.run = jit_run, autotuned_run
     try:
         yield
     finally:
         JITFunction.run, Autotuner.run = saved
-
-
-def stand_in(arg):
-    return Pointer(arg) if isinstance(arg, torch.Tensor) else arg
 
 
 def train_workload(launches):
@@ -236,9 +236,8 @@ def verdict(launch: Launch, arch: int, result: dict) -> str:
 _LAUNCHES = []   # what the forked compile workers read (a JITFunction does not pickle)
 
 
-def _compile_job(job):
-    index, arch = job
-    return compile_for(_LAUNCHES[index], arch)
+def _compile_job(job):       # (index into _LAUNCHES, arch)
+    return compile_for(_LAUNCHES[job[0]], job[1])
 
 
 def main(argv=None):
@@ -249,6 +248,7 @@ def main(argv=None):
                    help="compile for sm_<arch> (default: 90 and 80)")
     p.add_argument("--kernel", action="append", help="only kernels of this name (default: all)")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="compiles in parallel")
+    p.add_argument("--list", action="store_true", help="print the recorded launches; compile nothing")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
@@ -259,6 +259,11 @@ def main(argv=None):
     for name in args.workload or sorted(WORKLOADS):
         WORKLOADS[name](recorded)
     launches = [x for x in distinct(recorded) if not args.kernel or x.kernel.__name__ in args.kernel]
+    if args.list:
+        for launch in launches:
+            print(f"{launch.kernel.__name__:<26}{'autotuned' if launch.tuned else 'fixed':<10} "
+                  f"{describe(launch)} ({', '.join(sorted(launch.workloads))})")
+        return 0
     archs = args.arch or sorted(SHARED_LIMIT, reverse=True)
     _LAUNCHES[:] = launches
     jobs = [(i, arch) for i in range(len(launches)) for arch in archs]
