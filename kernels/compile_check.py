@@ -50,8 +50,9 @@ from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-# The most shared memory one block may use (bytes): H100 227 KiB, A100 163 KiB (CUDA's tuning guides)
-SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+import cli
+
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}    # bytes a block may use: H100, A100 (CUDA's tuning guides)
 # Launches whose tiles the caller chose (flash_attention(block_m=..., block_n=...)): the tests' small ones
 CALLER_TILED = {"_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"}
 
@@ -104,7 +105,6 @@ def recording(workload: str, launches: list):
 def train_workload(launches):
     """01's forward and backward with every Triton kernel, 1 layer at each 1B shape, both layouts."""
     import build
-    import cli
     from kernels import gpu_matrix, patch
     train = importlib.import_module("01_single_gpu.train")
     for shape, layout in itertools.product(gpu_matrix.SHAPES, ("bf16-20", "autocast")):
@@ -241,7 +241,7 @@ def _compile_job(job):       # (index into _LAUNCHES, arch)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), action="append",
                    help="record these (default: all)")
     p.add_argument("--arch", type=int, choices=sorted(SHARED_LIMIT), action="append",
@@ -270,9 +270,9 @@ def main(argv=None):
     print(f"{'kernel':<26}{'arch':<7}{'registers':>10}{'spilled B':>10}{'shared KiB':>11}{'CPU-s':>7}  "
           f"config (workloads)", flush=True)
     failures, results = [], []
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) as pool:
-        for (i, arch), result in zip(jobs, pool.map(_compile_job, jobs) if args.jobs > 1
-                                     else map(_compile_job, jobs)):
+    pool = ProcessPoolExecutor(args.jobs, mp_context=get_context("fork")) if args.jobs > 1 else None
+    with pool or contextlib.nullcontext():
+        for (i, arch), result in zip(jobs, pool.map(_compile_job, jobs) if pool else map(_compile_job, jobs)):
             results.append(result)
             report(launches[i], arch, result, failures)
     print(f"{len(results)} compiles of {len(launches)} launches, {sum(r['seconds'] for r in results):.0f} "

@@ -340,6 +340,9 @@ TOOL_CASES = [
      "worked_outputs.py: error: no folder '4': name one of 01 .. 08 (04 for 04_tensor_parallel)", {}),
     ("worked-outputs-unknown-command", WORKED_OUTPUTS, ["chek"],
      "worked_outputs.py: error: no command 'chek': use list, check or write (did you mean check?)", {}),
+    ("compile-check-jobs-0", "kernels/compile_check.py", ["--jobs", "0"], "--jobs must be at least 1", {}),
+    ("compile-check-interpreter", "kernels/compile_check.py", [], "this compiles for a GPU; unset it",
+     {"TRITON_INTERPRET": "1"}),
 ]
 # Sizes that cannot fit (issue 32: allocator tracebacks after up to 55 s, or nothing for 240 s): each run
 # under `ulimit -v` of its address space + MEMORY_LIMIT, so that one not refused fails fast instead of taking
