@@ -501,11 +501,12 @@ def test_train_with_triton_kernels_reproduces_torch_losses():
 
 
 def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
-    """The benchmark's own logic (every kernel × implementation × pass, the rate arithmetic, the
-    markdown and JSON writers) run through once on tiny float32 shapes, with the kernels in the
-    interpreter and a wall-clock timer in place of CUDA events, and --plot-from draws them. This checks
-    the script, not the speed: the numbers go to a temporary directory, never to kernels/results/. On a
-    GPU, `python kernels/bench.py` runs the same code with the real timer and shapes."""
+    """The benchmark's own logic (every kernel × implementation × pass, the rate arithmetic, the callback
+    after every row, the markdown and JSON writers) run through once on tiny float32 shapes, with the
+    kernels in the interpreter and a wall-clock timer in place of CUDA events, and --plot-from draws them.
+    This checks the script, not the speed: the numbers go to a temporary directory, never to
+    kernels/results/. On a GPU, `python kernels/bench.py` runs the same code with the real timer and
+    shapes."""
     import argparse
     from kernels import bench
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
@@ -525,8 +526,11 @@ def test_bench_code_path_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     # The GPU time's plumbing, with the wall clock again standing in (gpu_timer.GpuTime is GPU-only: its
     # own test is test_gpu_time_hides_the_host below).
     gpu = lambda run: {"gpu_ms": wall_clock_ms(run), "launches": 1}   # noqa: E731
+    seen = []     # what the callback saw: bench.py rewrites its files there, so a cut run keeps its rows
     rows, memory = bench.run_all(argparse.Namespace(quick=False, compile=False, largest=False, only=None),
-                                 wall_clock_ms, peaks, gpu)
+                                 wall_clock_ms, peaks, gpu,
+                                 on_row=lambda rows, memory: seen.append((len(rows), len(memory))))
+    assert seen == [(n, 0) for n in range(1, len(rows) + 1)] + [(len(rows), 1), (len(rows), 2)]
     expected = {("rmsnorm", i) for i in ("eager", "triton")} | {("swiglu", i) for i in ("eager", "triton")} \
         | {("rope", i) for i in ("eager", "triton")} \
         | {("attention", i) for i in ("eager", "sdpa-flash", "triton")} \
