@@ -49,7 +49,7 @@ def adopt_orphans():
 
 class ForkedJob:
     """A row's ranks forked from this process under a leader in a session of its own. It has what
-    child_process.end_tree uses of a Popen: pid, wait(timeout) and returncode."""
+    child_process.end_trees uses of a Popen: pid, wait(timeout) and returncode."""
 
     def __init__(self, world: int, probe_argv: list, log_path: Path):
         self.returncode = None
@@ -147,7 +147,7 @@ def watch(job, log_path: Path, limit_s: float, stall_s: float) -> tuple:
             size, last = grown, now
         if now - t0 > limit_s or now - last > stall_s:
             ended = "limit" if now - t0 > limit_s else "stall"
-            child_process.end_tree(job)
+            child_process.end_trees([job])
             break
     seconds = time.monotonic() - t0
     left = child_process.descendants(os.getpid())         # orphans of the job, now the sweep's children

@@ -25,7 +25,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 # Folder names begin with digits, so each folder this one builds on goes on the path and its modules
 # are imported by their plain names: `import model` is 01_single_gpu/model.py.
-sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "01_single_gpu"), os.path.join(ROOT, "01_single_gpu", "runtime")]
 from pathlib import Path
 
 import argparse
