@@ -178,3 +178,20 @@ def bench_record(out: Path, kernels, status: str, argv) -> dict:
                   fields=sorted({k for r in rows for k in r}),
                   peaks=result.get("peaks"))
     return dict(record, problem=problem) if problem else record
+
+
+def nccl_record(what: str, status: str, written: Path) -> dict:
+    """02's collectives at world 1 (every result checked; bus bandwidth 0 but for broadcast's, by definition)
+    or 08's sweep row beside the planner's prediction, from the JSON lines the child wrote."""
+    rows, problem = json_lines(written)
+    status = status if rows and not problem else "failed"
+    if what == "collectives":
+        wrong = [f"{r['collective']} {r['place']} {r['bytes']}" for r in rows if not r["correct"]]
+        largest = {r["collective"]: r["algbw"] for r in rows if r["bytes"] == max(x["bytes"] for x in rows)}
+        record = dict(stage="nccl", what=what, status="failed" if wrong else status, rows=len(rows),
+                      wrong=wrong, backend=rows[0]["backend"] if rows else None, largest_algbw=largest)
+    else:
+        record = dict(stage="nccl", what=what, status=status, rows=rows)
+        if rows and rows[0]["outcome"] != "ok":
+            record["status"] = "failed"
+    return dict(record, problem=problem) if problem else record

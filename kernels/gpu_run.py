@@ -9,6 +9,8 @@ prints them):
             and RoPE: kernels/bench.py at each kernel's largest shape, every row written as it finishes
   train     the compiled headline, llama3-1b then 1b-v32k (the first step, compiles, timed apart)
   tests     tests/test_kernels.py and tests/test_fp8.py compiled on the GPU, in parallel shards
+  nccl      02's bench_collectives.py and 08's sweep.py (a 1B row, the planner's prediction beside it) at
+            world 1: the NCCL path (its bus bandwidth is 0 at n = 1 by definition)
   train     the rest of the MFU matrix, one axis away from the headline first, tests/test_gpu_trainers.py
 The stages up to the tests fit the default budget even if each runs to its limit; the rest start only while
 --budget-s lasts (else recorded as skipped). Each appends one JSON record to DIR/records.jsonl as it ends;
@@ -60,6 +62,8 @@ ALONE = ["tests/test_kernels.py::test_gpu_time_hides_the_host"]
 # The bench's stages: kernels/bench.py --only each group, at its largest shape, with the GPU time
 BENCH_GROUPS = [("attention",), ("linear+cross-entropy",), ("rmsnorm", "swiglu", "rope")]
 BENCH_ARGV = ["--largest", "--no-compile"]
+# 08's sweep at world 1: one 1B row on the GPU (tiny on the CPU), measured beside the planner's prediction
+SWEEP_MODEL = ["--preset", "1b", "--vocab-size", "32000", "--seq-len", "2048", "--dataset", "synthetic"]
 
 
 # Triton's interpreter would take minutes a row on a CPU: tests/test_kernels.py covers those kernels there
@@ -70,8 +74,8 @@ SMOKE_TESTS = ["tests/test_fp8.py", "-k", "quantization and e4m3 and (tensor or 
 
 @dataclass(frozen=True)
 class Stage:
-    kind: str          # "train", "bench" or "tests"
-    what: object       # a Row; the bench's kernels; pytest's arguments
+    kind: str          # "train", "bench", "tests" or "nccl"
+    what: object       # a Row; the bench's kernels; pytest's arguments; ("collectives",) or ("sweep",)
     limit_s: float     # its time limit (cut to what is left of the budget)
     least_s: float     # it starts only with this much of the budget left
     shards: int = 1    # tests: pytest processes at once
@@ -85,7 +89,8 @@ def plan(smoke: bool):
     """The stages in order. Those before the rest of the matrix (`priority`) fit DEFAULT_BUDGET_S together."""
     if smoke:
         return [Stage("train", SMOKE_ROWS[0], 300, 0), Stage("bench", ("attention", "rmsnorm"), 300, 0),
-                Stage("train", SMOKE_ROWS[1], 300, 0), Stage("tests", SMOKE_TESTS, 300, 0, shards=2)]
+                Stage("train", SMOKE_ROWS[1], 300, 0), Stage("tests", SMOKE_TESTS, 300, 0, shards=2),
+                Stage("nccl", ("collectives",), 300, 0), Stage("nccl", ("sweep",), 300, 0)]
     baseline, headline, headline_v32k = (Row("llama3-1b", **BASELINE), Row("llama3-1b", **HEADLINE),
                                          Row("1b-v32k", **HEADLINE))
     rest = [r for r in matrix() if r not in (baseline, headline, headline_v32k)]
@@ -94,7 +99,8 @@ def plan(smoke: bool):
     return ([Stage("train", baseline, 60, 40), Stage("bench", BENCH_GROUPS[0], 50, 30),
              Stage("bench", BENCH_GROUPS[1], 35, 25), Stage("bench", BENCH_GROUPS[2], 35, 25),
              Stage("train", headline, 150, 90), Stage("train", headline_v32k, 100, 60),
-             Stage("tests", KERNEL_TESTS, 95, 45, shards=TEST_SHARDS)]
+             Stage("tests", KERNEL_TESTS, 95, 45, shards=TEST_SHARDS),
+             Stage("nccl", ("collectives",), 60, 30), Stage("nccl", ("sweep",), 120, 60)]
             + [train(r) for r in rest[:12]] + [Stage("tests", ["tests/test_gpu_trainers.py"], 240, 120)]
             + [train(r) for r in rest[12:]])
 
@@ -124,6 +130,10 @@ def run_stage(stage: Stage, limit_s, out: Path, scratch: Path, smoke: bool, log,
                    "--log-every", "1", "--no-progress", "--json-log", str(json_log)]
         status, seconds, output = run_child(command, limit_s, log, env)
         record = gpu_records.train_record(row, flags, status, output, json_log, device)
+    elif stage.kind == "nccl":
+        command, written = nccl_command(stage.what[0], limit_s, scratch, smoke, device)
+        status, seconds, output = run_child(command, limit_s, log, env)
+        record = gpu_records.nccl_record(stage.what[0], status, written)
     elif stage.kind == "tests":
         command, status, seconds, shards = run_tests(stage, limit_s, scratch, log, env)
         record = gpu_records.tests_record(stage.what, status, shards)
@@ -160,6 +170,25 @@ def run_tests(stage: Stage, limit_s, scratch: Path, log, env):
     worst = next((s for s in ("timeout", "failed") if s in [status for status, _ in statuses]), "ok")
     shards = [(junit, text) for (junit, _), (_, text) in zip(runs, statuses)]
     return runs[0][1], worst, time.perf_counter() - t0, shards
+
+
+def nccl_command(what: str, limit_s, scratch: Path, smoke: bool, device: str):
+    """(command, the JSON lines it writes) of an nccl stage: 02's collectives in a world of one (its own
+    store, no torchrun), or one row of 08's sweep under torchrun (forked ranks on the CPU)."""
+    if what == "collectives":
+        written = scratch / "collectives.jsonl"
+        size = ["--device", "cpu", "--max-bytes", "4K", "--iters", "2"] if smoke else ["--device", "cuda"]
+        command = [sys.executable, "02_data_parallel/bench_collectives.py", *size, "--out", str(written)]
+        return command, written
+    # the planner's datasheet for this GPU (its peak FLOP/s): step_time.GPUS's names
+    gpu = [["--gpu", name] for name in ("h200", "h100", "a100") if name in device.lower()][:1]
+    where = ["--launcher", "fork", "--steps", "2"] if smoke else ["--steps", str(STEPS), *sum(gpu, [])]
+    model = ["--seq-len", "32", "--dataset", "synthetic"] if smoke else [*SWEEP_MODEL, "--device", "cuda"]
+    batch = "2" if smoke else "4"
+    limit = f"{max(limit_s - 20, 10):.0f}"           # the sweep's own report after the row fits the stage's
+    return [sys.executable, "08_5d_combined/sweep.py", "--world", "1", "--global-batch", batch, "--layouts",
+            f"mbs={batch}", "--out", str(scratch / "sweep"), "--limit-s", limit, *where, "--", *model], \
+        scratch / "sweep" / "rows.jsonl"
 
 
 def skipped(stage: Stage, left_s: float) -> dict:

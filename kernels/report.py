@@ -117,6 +117,7 @@ def run_section(folder: Path) -> str:
         failed = f" (failed: {', '.join(t['failed_names'])})" if t.get("failed_names") else ""
         lines += ["", f"Tests, `pytest {shlex.join(t.get('files') or t['what'].split())}`: {counts}{failed}."]
     lines += train_lines([r for r in records if r["stage"] == "train"])
+    lines += nccl_lines([r for r in records if r["stage"] == "nccl"])
     benches = [r for r in records if r["stage"] == "bench"]
     written = [r for r in benches if r.get("file")]     # one <device>.json: every bench stage adds its rows
     if written:
@@ -156,6 +157,30 @@ def train_lines(rows: list) -> list:
         lines += ["", f"Not run within the budget: {len(rows) - len(ran)} more rows of the matrix "
                   f"(records.jsonl names them)."]
     return lines
+
+
+def nccl_lines(records: list) -> list:
+    """02's collectives and 08's sweep row at world 1 (the NCCL path; no bus bandwidth at n = 1)."""
+    lines = []
+    for r in records:
+        if r["status"] == "skipped" or r["what"] == "collectives" and r["status"] != "ok":
+            lines.append(f"At world 1, {r['what']}: {r['status']}.")
+        elif r["what"] == "collectives":
+            broadcast = r["largest_algbw"].get("broadcast", 0)
+            lines.append(f"At world 1, `02_data_parallel/bench_collectives.py`: {r['rows']} rows over "
+                         f"{r['backend']}, every result right; bus bandwidth 0 by definition at n = 1, "
+                         f"broadcast's algbw at the largest size {broadcast:.3g} GB/s.")
+        elif r["rows"]:
+            row, planned = r["rows"][0], r["rows"][0]["predicted"]
+            measured = (f"{row['tokens_per_s']:,.0f} tokens/s, {row['step_s']:.3f} s a step, MFU "
+                        f"{number(row['mfu'], '.1%')}" if row["outcome"] == "ok" else
+                        f"{row['outcome']} ({row['cause']})")
+            error = (f" ({planned['step_s'] / row['step_s'] - 1:+.0%})" if row["outcome"] == "ok" else "")
+            lines.append(f"08's `sweep.py` at world 1 ({row['row']}): {measured}; the planner predicted "
+                         f"{planned['step_s']:.3f} s{error}.")
+        else:
+            lines.append(f"08's `sweep.py` at world 1: {r['status']}, no row recorded.")
+    return ["", *lines] if lines else []
 
 
 def bench_lines(result: dict, record: dict, where) -> list:

@@ -45,7 +45,7 @@ def smoke(tmp_path_factory):
 
 def test_smoke_run_records_every_stage(smoke):
     out, records = smoke
-    assert [r["stage"] for r in records] == ["machine", "train", "bench", "train", "tests"]
+    assert [r["stage"] for r in records] == ["machine", "train", "bench", "train", "tests", "nccl", "nccl"]
     for r in records:
         assert all(k in r for k in MACHINE_FIELDS), r
         assert r["device"] == "cpu" and r["torch"] == torch.__version__ and r["smoke"] is True
@@ -67,6 +67,12 @@ def test_smoke_run_records_every_stage(smoke):
     assert bench["rows"] == 10 and bench["failed_rows"] == 0 and (out / bench["file"]).exists()
     written = json.loads((out / bench["file"]).read_text())["rows"]
     assert {r["kernel"] for r in written} == {"attention", "rmsnorm"}
+    collectives, sweep = records[5:]         # at world 1: every result right, bus bandwidth 0 but broadcast's
+    assert collectives["what"] == "collectives" and collectives["rows"] == 14 and not collectives["wrong"]
+    assert collectives["backend"] == "gloo" and collectives["largest_algbw"]["broadcast"] > 0
+    [row] = sweep["rows"]
+    assert sweep["what"] == "sweep" and row["outcome"] == "ok" and row["steps"] == 2
+    assert row["tokens_per_s"] > 0 and row["predicted"]["step_s"] > 0
     # The device tool brings back at most 8 files from $OUT
     assert len(list(out.iterdir())) <= 8
 
@@ -79,6 +85,8 @@ def test_smoke_run_writes_its_readme_section(smoke):
         cells = ("tiny", 320, r["kernels"], r["attn"], r["precision_layout"], "no", r["grad_acc"])
         assert "".join(f"| {c} " for c in cells) + "|" in text
     assert "2 passed, 0 failed" in text and "| rmsnorm |" in text
+    assert "`02_data_parallel/bench_collectives.py`: 14 rows over gloo, every result right" in text
+    assert "08's `sweep.py` at world 1 (dp1-tp1-pp1-cp1-ep1-zero0-none-1f1b1-mbs2-m1): " in text
     assert_tables_are_rectangular(text)
 
 
@@ -144,6 +152,9 @@ def test_plan_spends_the_first_minutes_on_the_most_wanted_numbers_within_one_dev
         ("bench", ("linear+cross-entropy",)), ("bench", ("rmsnorm", "swiglu", "rope")),
         ("train", gpu_run.Row("llama3-1b", **gpu_run.HEADLINE)),
         ("train", gpu_run.Row("1b-v32k", **gpu_run.HEADLINE)), ("tests", gpu_run.KERNEL_TESTS)]
+    # then 02's collectives and 08's sweep at world 1 over NCCL, before the rest of the matrix
+    assert [(s.kind, s.what) for s in stages[len(first):len(first) + 2]] == [("nccl", ("collectives",)),
+                                                                             ("nccl", ("sweep",))]
     assert first[4].limit_s <= 150 and first[-1].shards > 1
     assert sum(s.limit_s for s in first) + gpu_run.PROBE_S <= gpu_run.DEFAULT_BUDGET_S
     assert gpu_run.DEFAULT_BUDGET_S + gpu_run.AFTER_S <= gpu_run.DEVICE_CALL_S
