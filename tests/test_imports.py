@@ -5,7 +5,8 @@ Folder names begin with digits, so they are not importable names. Each entry poi
 planner, generate/export_hf, the kernel scripts) puts the folders it builds on at the front of
 `sys.path`, and modules import each other by their plain names (`import model`); pytest and pyright get
 the same folders from pyproject.toml. That holds only while no two modules share a name and nothing
-imports a module under a second, dotted name.
+imports a module under a second, dotted name. And imports follow ownership: no module imports, even
+inside a function, one that imports it back.
 """
 import ast
 import re
@@ -119,3 +120,68 @@ def test_an_editor_follows_every_plain_import_of_the_trainers():
             else:
                 unresolved.append(f"{trainer.relative_to(ROOT)}:{line_no} {module}")
     assert resolved > 40 and not unresolved, f"go-to-definition failed at {unresolved} ({resolved} resolved)"
+
+
+# ======================================================================================
+# Imports follow ownership: no cycle
+# ======================================================================================
+GRAPH_MODULES = {**MODULES,
+                 **{f"{py.parent.name}.train": py for py in sorted(ROOT.glob("0[1-8]_*/train.py"))},
+                 **{f"kernels.{py.stem}": py for py in sorted((ROOT / "kernels").glob("*.py"))
+                    if py.stem != "__init__"}}
+
+
+def repository_imports(py: Path) -> set:
+    """The repository modules `py` imports anywhere in it, inside functions too: by plain name, a train.py
+    by dotted name, the kernels as `from kernels import x`, `from kernels.x import y`, `import kernels.x`."""
+    names = set()
+    for node in ast.walk(ast.parse(py.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names} | {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module.split(".")[0], node.module}
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant)):
+            names.add(str(node.args[0].value))
+    return names & set(GRAPH_MODULES)
+
+
+def import_cycles(graph: dict) -> list:
+    """One cycle [a, b, …, a] for each set of modules that import each other round (depth-first search:
+    an import of a module still on the search's path closes a cycle)."""
+    state, path, found = {}, [], {}
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for imported in sorted(graph.get(node, ())):
+            if state.get(imported) == "open":
+                cycle = path[path.index(imported):] + [imported]
+                found.setdefault(frozenset(cycle), cycle)
+            elif imported not in state:
+                visit(imported)
+        path.pop()
+        state[node] = "done"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return sorted(found.values())
+
+
+def test_no_import_cycle():
+    """Imports follow ownership: a module that defines a type or a formula is imported by its users and
+    imports none of them back, not even inside a function (an import moved into a function to break a
+    cycle hides it; it does not remove it). The detector on graphs it must flag and pass, the graph's
+    edges (one inside a function among them), then the repository's graph: every module of the numbered
+    folders, runtime/ and kernels/."""
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    graph = {name: repository_imports(path) - {name} for name, path in GRAPH_MODULES.items()}
+    assert {"mappings", "materialize"} <= graph["tensor_parallel"]            # plain names, across folders
+    assert {"zero", "data_parallel", "build"} <= graph["03_zero.train"]
+    assert "kernels.flash_attention" in graph["kernels.bench"]                 # imported inside a function
+    assert "model" in graph["kernels.patch"] and "kernels.child_process" in graph["kernels.gpu_run"]
+    found = [" -> ".join(cycle) for cycle in import_cycles(graph)]
+    assert not found, ("modules that import each other round (the module that owns the type or formula "
+                       "imports none of its users; move what both need to its owner):\n" + "\n".join(found))

@@ -84,13 +84,13 @@ def continued_comments(source: str) -> list:
 def test_one_thought_a_line():
     """One thought a line: no trailing comment in the folders' Python files continues onto the next line
     (a note of several clauses is a block comment above its statement). The detector on lines it must
-    flag and lines it must pass, then every NN_*/*.py file."""
+    flag and lines it must pass, then every .py file under NN_*/ and kernels/, subfolders included."""
     assert continued_comments("x = 1  # Σ over tp:\ny = 2  #   every rank skips\n") == [(1, "Σ over tp:")]
     assert continued_comments("x = 1  # the same on\ny = 2  # rank\n") == [(1, "the same on")]
     assert continued_comments("x = 1  # (bf16-20: a\ny = 2  # b)\n") == [(1, "(bf16-20: a")]
     assert continued_comments("x = 1  # x, y: (mbs, T)\ny = 2  # fp16: ÷ S; the grad owners\n") == []
-    files = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
-    assert len(files) > 40
+    files = technique_files()
+    assert len(files) > 60
     found = [f"{path.relative_to(ROOT)}:{line}: #{text}" for path in files
              for line, text in continued_comments(path.read_text())]
     assert not found, "\n".join(found)
@@ -132,14 +132,22 @@ def long_functions(source: str, limit: int = 40) -> list:
             and node.end_lineno - node.lineno + 1 > limit]
 
 
-def test_the_loop_reads_as_short_phases():
-    """loop.train is the order of its phases, and each phase fits on a screen: no function of loop.py
-    is longer than 40 lines."""
+def short_function_files() -> list:
+    """The files whose functions must each fit on a screen: 01's runtime/ (the loop and the plumbing around
+    every step) and every NN_*/train.py (the step and the run that wires it)."""
+    return sorted(ROOT.glob("01_single_gpu/runtime/**/*.py")) + sorted(ROOT.glob("[0-9][0-9]_*/train.py"))
+
+
+def test_the_trainers_and_runtime_read_as_short_phases():
+    """loop.train is the order of its phases, a trainer's run the order of its parts, and each fits on a
+    screen: no function of runtime/ or of a train.py is longer than 40 lines."""
     assert long_functions("def f():\n" + "    x = 1\n" * 40) == [("f", 41)]
     assert long_functions("def f():\n" + "    x = 1\n" * 39) == []
-    loop = next(ROOT.glob("01_single_gpu/**/loop.py"))
-    found = [f"{loop.relative_to(ROOT)}: {name} is {lines} lines"
-             for name, lines in long_functions(loop.read_text())]
+    files = short_function_files()
+    names = {str(path.relative_to(ROOT)) for path in files}
+    assert "01_single_gpu/runtime/loop.py" in names and sum(n.endswith("/train.py") for n in names) == 8
+    found = [f"{path.relative_to(ROOT)}: {name} is {lines} lines" for path in files
+             for name, lines in long_functions(path.read_text())]
     fix = "\nsplit it into named phases of at most 40 lines each (one function a phase, called in order)"
     assert not found, "\n".join(found) + fix
 
@@ -193,16 +201,17 @@ MAX_FILE_LINES, MAX_DOCSTRING_LINES = 300, 25
 
 
 def technique_files() -> list:
-    """Every NN_*/*.py and kernels/*.py file: what a student reads."""
-    return sorted(ROOT.glob("[0-9][0-9]_*/*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+    """Every .py file under the NN_* folders and kernels/, subfolders included: what a student reads."""
+    return sorted(ROOT.glob("[0-9][0-9]_*/**/*.py")) + sorted(ROOT.glob("kernels/**/*.py"))
 
 
 def test_every_file_is_at_most_300_lines():
-    """One technique per file, short enough to read in one sitting: every NN_*/*.py and kernels/*.py file
-    holds at most 300 lines. A longer one is split by idea (a technique, its primitives, its bookkeeping),
-    never at an arbitrary line."""
+    """One technique per file, short enough to read in one sitting: every .py file under NN_*/ and kernels/
+    (subfolders included) holds at most 300 lines. A longer one is split by idea (a technique, its
+    primitives, its bookkeeping), never at an arbitrary line."""
     files = technique_files()
     assert len(files) > 60                                   # the listing worked: every folder is read
+    assert ROOT / "01_single_gpu" / "runtime" / "loop.py" in files               # subfolders too
     found = [f"{path.relative_to(ROOT)}: {lines} lines, more than {MAX_FILE_LINES}: split it by idea into a "
              f"file of its own (one technique per file), then update the importers and the folder README's "
              f"file table"
@@ -225,7 +234,7 @@ def long_docstrings(source: str, limit: int = MAX_DOCSTRING_LINES) -> list:
 def test_every_docstring_is_at_most_25_lines():
     """A docstring says what a thing is, where it comes from and how to run it, in at most 25 lines; the
     derivations, worked outputs and errata belong in the folder's README. The detector on docstrings it
-    must flag and pass (module, class, function), then every NN_*/*.py and kernels/*.py file."""
+    must flag and pass (module, class, function), then every .py file under NN_*/ and kernels/."""
     def text(n):
         return '"""' + "\n".join(f"line {i}" for i in range(n)) + '"""'
     assert long_docstrings(text(26)) == [(1, "module", 26)]
