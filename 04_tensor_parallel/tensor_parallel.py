@@ -30,6 +30,7 @@ from torch import nn
 import materialize
 import mappings
 import kv_replication
+import vocab_parallel
 
 
 # ======================================================================================
@@ -135,7 +136,6 @@ def apply_tensor_parallel(model, grid, regions: mappings.Regions = mappings.TENS
     Every rank built the same full model (same seed or --init-from), so slicing gives exactly the
     dense weights, sharded. Parameter names are unchanged; each rank's state dict holds its shards.
     """
-    import vocab_parallel
     config = model.config
     check_tensor_parallel(config, grid.tp_size)
     tp = (grid.tp_rank, grid.tp_size, grid.tp_group)
@@ -156,8 +156,9 @@ def apply_tensor_parallel(model, grid, regions: mappings.Regions = mappings.TENS
         mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, *tp, exit_region=regions.exit)
         enter_region(attn, regions.enter, grid.tp_group)
         enter_region(mlp, regions.enter, grid.tp_group)
-    model.model.embed_tokens = vocab_parallel.VocabParallelEmbedding(
-        model.model.embed_tokens.weight, *tp, exit_region=regions.exit)
+    embedding = shard_parameter(model.model.embed_tokens.weight, 0, grid.tp_rank, grid.tp_size)   # (V/t, C)
+    model.model.embed_tokens = vocab_parallel.VocabParallelEmbedding(embedding, grid.tp_rank, grid.tp_group,
+                                                                     exit_region=regions.exit)
     model.lm_head = ColumnParallelLinear(model.lm_head.weight, *tp)     # (V/t, C): the logits stay sharded
     if model.config.tie_word_embeddings:  # both are vocab rows [r·V/t, (r+1)·V/t): the same shard
         model.lm_head.weight = model.model.embed_tokens.weight

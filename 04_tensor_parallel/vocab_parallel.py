@@ -23,18 +23,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import mappings
-import tensor_parallel
 
 IGNORE_INDEX = -100
 
 
 class VocabParallelEmbedding(nn.Module):
-    """weight (V/t, C): rows [vocab_start, vocab_start + V/t) of the dense embedding."""
+    """weight (V/t, C): rows [vocab_start, vocab_start + V/t) of the dense embedding, rank tp_rank's shard
+    (tensor_parallel.shard_parameter along dim 0)."""
 
-    def __init__(self, weight, tp_rank, tp_size, tp_group, exit_region=mappings.reduce_from_tp_region):
+    def __init__(self, weight, tp_rank, tp_group, exit_region=mappings.reduce_from_tp_region):
         super().__init__()
-        self.weight = tensor_parallel.shard_parameter(weight, 0, tp_rank, tp_size)   # (V/t, C)
-        self.vocab_start = tp_rank * self.weight.shape[0]
+        self.weight = weight                                                # (V/t, C)
+        self.vocab_start = tp_rank * weight.shape[0]
         self.tp_group, self.exit_region = tp_group, exit_region
 
     def forward(self, input_ids):                                          # (B, T)
