@@ -1,6 +1,6 @@
 """FlashAttention-2 backward in Triton (Algorithm 2 of Dao 2023), tiled as Triton's tutorial 06.
 
-The forward (flash_attention.py) kept only O and LSE. This file recomputes P block by block from
+The forward (flash_attention_forward.py) kept only O and LSE. This file recomputes P block by block from
 them, with Δ = rowsum(dO ∘ O) = rowsum(dP ∘ P):
 
     dV = Pᵀ dO,   dP = dO Vᵀ,   dS = P ∘ (dP − Δ),   dQ = dS K · scale,   dK = dSᵀ Q · scale
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.flash_attention import LOG2E, load_tile, strides, tile_class
+from kernels.flash_attention_forward import LOG2E, load_tile, strides, tile_class
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sm_scale, qk_scale, T, H, H
 
 
 # Rows a program owns and streams, (owned, streamed), and the (num_warps, num_stages) autotune may pick,
-# per kernel, by flash_attention.tile_class: the tutorial's 128 × 32 where it fits the registers, else
+# per kernel, by flash_attention_forward.tile_class: the tutorial's 128 × 32 where it fits the registers, else
 # fewer. All fit an A100's and an H100's shared memory without spilling (kernels/compile_check.py); the
 # tutorial's 4-warp dK/dV configs spilled 0.4-6.2 KB a thread for sm_90 at hd 64-128 (stores and loads).
 BACKWARD_TILES = {"16-bit": {"dkdv": ((128, 32), [(8, 2)]), "dq": ((128, 32), [(8, 3), (4, 3)])},

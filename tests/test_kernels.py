@@ -43,6 +43,7 @@ from kernels import swiglu as swi
 from kernels import rope as rot
 from kernels import fused_linear_cross_entropy as flce
 from kernels import flash_attention as fa
+from kernels import flash_attention_forward
 from kernels import patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,7 +306,7 @@ def test_flash_attention_default_tiles():
     T = 70 (ragged), GQA 4:2. Under the interpreter autotune holds one config, so it never benchmarks
     (Autotuner.run times configs only when it has several, with CUDA events); on a GPU it holds several."""
     if DEVICE == "cpu":
-        assert len(fa._attn_fwd_tuned.configs) == 1
+        assert len(flash_attention_forward._attn_fwd_tuned.configs) == 1
     q, k, v = randn(1, 4, 70, 80), randn(1, 2, 70, 80, seed=1), randn(1, 2, 70, 80, seed=2)
     check(lambda q, k, v: fa.flash_attention(q, k, v, True),
           lambda q, k, v: fa.attention_reference(q, k, v, True),
