@@ -8,7 +8,7 @@ The arithmetic is planner.py's; this file only lays it out.
 """
 
 import measured_links
-import planner
+import plan_arithmetic
 import timeline
 
 
@@ -16,17 +16,17 @@ def print_plan(args, config, layout):
     """Print the plan of `layout` for the parsed flags; returns ({stage: memory}, {stage: bytes sent})."""
     world = args.dp * args.pp * args.cp * args.tp
     m, stages = args.grad_acc, sorted({0, min(1, args.pp - 1), args.pp - 1})
-    whole = planner.Layout(num_experts=args.num_experts)                     # the whole model on one rank
-    total = sum(planner.stage_parameters(config, whole, 0))
+    whole = plan_arithmetic.Layout(num_experts=args.num_experts)            # the whole model on one rank
+    total = sum(plan_arithmetic.stage_parameters(config, whole, 0))
     print(f"layout: dp {args.dp} × pp {args.pp} × cp {args.cp} × tp {args.tp}{' (sp)' if args.sp else ''} = "
           f"{world} ranks; zero-{args.zero_stage}, recompute {args.recompute}, {args.precision} precision "
-          f"({'+'.join(map(str, planner.STATE_BYTES[args.precision]))} bytes/param: the trainers' "
-          f"{planner.TRAINER_LAYOUT[args.precision]} layout, 01_single_gpu/mixed_precision.py)")
+          f"({'+'.join(map(str, plan_arithmetic.STATE_BYTES[args.precision]))} bytes/param: the trainers' "
+          f"{plan_arithmetic.TRAINER_LAYOUT[args.precision]} layout, 01_single_gpu/mixed_precision.py)")
     print(f"model: {total / 1e9:.3f}B parameters, h {config.hidden_size}, L {config.num_hidden_layers}, "
           f"heads {config.num_attention_heads}/{config.num_key_value_heads}, ffn {config.intermediate_size}, "
           f"vocab {config.vocab_size}; global batch {args.dp * args.mbs * m} × {args.seq_len} tokens")
-    mem = {s: planner.stage_memory(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
-    com = {s: planner.stage_communication(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+    mem, com = ({s: formula(config, layout, args.seq_len, args.mbs, m, s) for s in stages}
+                for formula in (plan_arithmetic.stage_memory, plan_arithmetic.stage_communication))
     totals = {s: sum(v for k, v in mem[s].items() if k != "held") for s in stages}
     unit, scale, label = ("GB", 1e9, "1e9") if max(totals.values()) >= 1e9 else ("MB", 1e6, "1e6")  # decimal
     header = "".join(f"{'pp stage ' + str(s):>14}" for s in stages)
@@ -48,7 +48,8 @@ def print_plan(args, config, layout):
     lacking = sorted({where[dim] for dim in measured_links.dimensions(layout) if links[where[dim]] is None})
     if args.peak_tflops and any(links.values()) and not lacking:
         bw = measured_links.bandwidths(layout, args.gpus_per_node, links["intra"], links["inter"])
-        ratios = planner.overlap_ratios(config, layout, args.seq_len, args.mbs, args.peak_tflops * 1e12, bw)
+        peak = args.peak_tflops * 1e12
+        ratios = plan_arithmetic.overlap_ratios(config, layout, args.seq_len, args.mbs, peak, bw)
         print("overlap t_comm/t_compute (> 1: the communication cannot hide behind compute)")
         for dim, r in ratios.items():
             print(f"  {dim:<8}{r:>10.3f}  ({where[dim]}-node){'  EXPOSED' if r > 1 else ''}")

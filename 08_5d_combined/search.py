@@ -4,7 +4,7 @@ Playbook chapter 3 (step 1 fit the model: the smallest model parallelism, TP ins
 nodes; step 2 reach the global batch with DP and grad-acc; step 3 throughput), Megatron-LM §4.2.2 (rule #1
 t ≤ GPUs per node, #2 t·p just enough to fit then d, #3 the micro-batch). Every dp·tp·pp·cp = --gpus
 layout (ep, SP, schedule, ZeRO 0-3, recompute, micro-batch) that passes the trainers' rules and fits in
-memory (planner.stage_memory) is ranked by its estimated step time (step_time.py: FLOPs, exposed
+memory (plan_arithmetic.stage_memory) is ranked by its estimated step time (step_time.py: FLOPs, exposed
 communication, bubble); within 1% the rules decide (`rank`). `GPTConfig` is Megatron's GPT (LayerNorm,
 biases, 4h GELU MLP, learned positions, tied embeddings) for the paper's models; the trainers build Llama.
 Derivations and a printed search: 08's README.md.
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import cli
 import data
 import layout_5d as layout_rules
-import planner
+import plan_arithmetic
 import step_time
 
 
@@ -147,9 +147,10 @@ def search(args, config, cluster: step_time.Cluster, batch: int):
                         sp = args.search_sp == "yes" and tp > 1 and not experts   # SP: TP's bytes, act./t
                         for schedule, chunks in schedules(pp, config.num_hidden_layers,
                                                           args.search_schedules.split(","), args.max_chunks):
-                            base = planner.Layout(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, schedule=schedule,
-                                                  chunks=chunks, ep=ep, num_experts=experts, top_k=args.top_k,
-                                                  cp_attn=args.cp_attn, precision=args.precision)
+                            base = plan_arithmetic.Layout(
+                                dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, schedule=schedule, chunks=chunks, ep=ep,
+                                num_experts=experts, top_k=args.top_k, cp_attn=args.cp_attn,
+                                precision=args.precision)
                             try:   # grad-acc 2·pp passes every schedule's rule; _options checks each m
                                 check_rules(args, config, dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep,
                                             pp_schedule=schedule, pp_chunks=chunks, grad_acc=2 * pp)

@@ -16,7 +16,7 @@ import cli_checks
 import measured_links
 import search
 import step_time
-import planner
+import plan_arithmetic
 
 PARTS = ("compute", "tp", "cp", "pp", "ep", "dp", "bubble")
 RECOMPUTE = ("none", "selective", "full")
@@ -147,7 +147,8 @@ def main(args, parser):
         parser.error(str(error))
     batch = args.global_batch_tokens // args.seq_len
     plans, pruned = search.search(args, config, cluster, batch)
-    params = sum(planner.stage_parameters(config, planner.Layout(num_experts=args.num_experts), 0))
+    whole = plan_arithmetic.Layout(num_experts=args.num_experts)            # the whole model on one rank
+    params = sum(plan_arithmetic.stage_parameters(config, whole, 0))
     flops = step_time.flops_per_token(config, args.seq_len, "none", args.num_experts, args.top_k)
     print(f"model: {params / 1e9:.1f}B parameters ({args.arch}), h {config.hidden_size}, L "
           f"{config.num_hidden_layers}, heads {config.num_attention_heads}/{config.num_key_value_heads}, "
@@ -209,7 +210,7 @@ def plot_memory(config, plan, seq_len, cluster, path, gpu_gb):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     lay, kinds = plan.layout, ("parameters", "gradients", "optimizer", "activations", "logits")
-    stages = [planner.stage_memory(config, lay, seq_len, plan.mbs, plan.m, s) for s in range(lay.pp)]
+    stages = [plan_arithmetic.stage_memory(config, lay, seq_len, plan.mbs, plan.m, s) for s in range(lay.pp)]
     fig, ax = plt.subplots(figsize=(min(4.0 + 0.3 * lay.pp, 16.0), 4.5))
     bottom = [0.0] * lay.pp
     for kind in kinds:

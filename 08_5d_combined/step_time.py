@@ -8,8 +8,8 @@ One layout (dp·tp·pp·cp, ep, SP, schedule, ZeRO stage, recompute, micro-batch
     t_compute = FLOPs of the slowest stage's rank / (peak · MFU) · max(1, ridge / GEMM intensity)
     exposed   = bytes / link bandwidth · max(0, 1 − 1/overlap ratio)   (tp: all of it, critical path)
 
-with planner.stage_communication's bytes, planner.overlap_ratios and 06's bubble; the DP term follows the
-flush. The GPUs' numbers are their datasheets'. search.py ranks every layout by this `estimate`.
+with plan_arithmetic.py's stage_communication bytes and overlap_ratios and 06's bubble; the DP term
+follows the flush. The GPUs' numbers are their datasheets'. search.py ranks every layout by this `estimate`.
 
     python 08_5d_combined/planner.py --search --gpus 64 --gpu h100 --preset 1b --seq-len 4096
 
@@ -18,7 +18,7 @@ New compared with planner.py: time, not only bytes.
 from dataclasses import dataclass
 
 import timeline
-import planner
+import plan_arithmetic
 import measured_links
 
 
@@ -111,7 +111,8 @@ class Plan:
 
 def peak_memory(config, layout, seq_len, mbs, m) -> float:
     """The fullest of the first and last stage (most activations held; the logits and the head)."""
-    mem = [planner.stage_memory(config, layout, seq_len, mbs, m, s) for s in sorted({0, layout.pp - 1})]
+    mem = [plan_arithmetic.stage_memory(config, layout, seq_len, mbs, m, s)
+           for s in sorted({0, layout.pp - 1})]
     return max(sum(v for k, v in stage.items() if k != "held") for stage in mem)
 
 
@@ -123,14 +124,15 @@ def estimate(config, layout, seq_len: int, mbs: int, m: int, cluster: Cluster, m
     layers, logits = config.num_hidden_layers // p, 6 * config.hidden_size * config.vocab_size / t
     # the slowest rank is the last stage's: its layers and the logits; experts are whole on every tp rank
     stage_flops = tokens * (layers * (dense / t + expert) + logits)          # (08's experts.py): not / t
-    e = planner.ACTIVATION_BYTES[layout.precision]
+    e = plan_arithmetic.ACTIVATION_BYTES[layout.precision]
     rows, k, n = mbs * seq_len // cp, config.hidden_size, max(config.hidden_size // t, 1)
     intensity = 2 * rows * k * n / (e * (rows * k + k * n + rows * n))
     rate = cluster.peak * cluster.mfu
     times = {"compute": stage_flops / rate * max(1.0, cluster.peak / cluster.hbm / intensity)}
     bw = measured_links.bandwidths(layout, cluster.per_node, cluster.intra, cluster.inter)
-    ratios = planner.overlap_ratios(config, layout, seq_len, mbs, rate, bw)
-    sent = [planner.stage_communication(config, layout, seq_len, mbs, m, s) for s in sorted({0, p - 1})]
+    ratios = plan_arithmetic.overlap_ratios(config, layout, seq_len, mbs, rate, bw)
+    sent = [plan_arithmetic.stage_communication(config, layout, seq_len, mbs, m, s)
+            for s in sorted({0, p - 1})]
     for dim in ("tp", "cp", "pp", "ep", "dp"):
         key = "zero3" if dim == "dp" and layout.zero_stage == 3 else dim
         hidden = 0.0 if dim == "tp" else min(1.0, 1 / ratios[key]) if ratios.get(key) else 1.0

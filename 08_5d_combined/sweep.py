@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import cli
+import plan_arithmetic
 import planner
 import search
 import search_report
@@ -62,8 +63,8 @@ SET_BY_THE_SWEEP = ("--dp", "--tp", "--pp", "--cp", "--ep", "--sp", "--zero-stag
 
 @dataclass(frozen=True)
 class Row:
-    """One layout of the sweep: planner.Layout, its micro-batch, micro-batches per step, and its own flags."""
-    layout: planner.Layout
+    """One layout of the sweep: its Layout, micro-batch, micro-batches per step, and its own flags."""
+    layout: plan_arithmetic.Layout
     mbs: int
     m: int
     extra: tuple = ()
@@ -84,7 +85,7 @@ class Row:
                 f"--grad-acc={self.m}", *self.extra]
 
 
-def parse_row(spec: str, base: planner.Layout, batch: int) -> Row:
+def parse_row(spec: str, base: plan_arithmetic.Layout, batch: int) -> Row:
     """`dp=2,tp=2,...[ trainer flags]` -> Row; a ValueError naming the fix."""
     words = shlex.split(spec)
     values = dict(part.split("=", 1) for part in words[0].split(",") if "=" in part) if words else {}
@@ -134,8 +135,9 @@ def rows_and_predictions(sweep, args_of, parser) -> list:
         try:
             args = args_of(shlex.split(spec)[1:])
             config = search.model_config(args)
-            base = planner.Layout(num_experts=args.num_experts, top_k=args.top_k, cp_attn=args.cp_attn,
-                                  shared_experts=args.shared_experts, precision=args.precision)
+            base = plan_arithmetic.Layout(num_experts=args.num_experts, top_k=args.top_k,
+                                          cp_attn=args.cp_attn, shared_experts=args.shared_experts,
+                                          precision=args.precision)
             row = parse_row(spec, base, batch)
             lay = row.layout
             search.check_rules(args, config, dp=lay.dp, tp=lay.tp, sp=lay.sp, cp=lay.cp, pp=lay.pp, ep=lay.ep,

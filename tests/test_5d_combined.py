@@ -95,6 +95,7 @@ import pipeline
 import timeline
 import cli
 import layout_5d as layout_rules
+import plan_arithmetic
 import planner
 import experts
 combined = import_module("08_5d_combined.train")
@@ -269,7 +270,7 @@ def _check(flag_set, per_rank):
         # an evaluation (the last thing a run with --eval-every does) releases what ZeRO-3's forwards gathered
         assert run["resident"] == 0, (what, run["resident"])
         # --- (b) the planner's bytes for this rank's stage, against its tensors and the meter ---
-        planned = planner.stage_memory(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
+        planned = plan_arithmetic.stage_memory(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
         params, grads, optimizer = run["states"]       # after the step: ZeRO-3's full units are freed
         if layout.pp > 1 and layout.zero_stage == 3:    # its peak: the shards and the stage gathered
             params += run["gathered"]
@@ -278,16 +279,16 @@ def _check(flag_set, per_rank):
         assert (params, grads, optimizer) == (planned["parameters"], planned["gradients"],
                                               planned["optimizer"]), what
         # under a schedule 08's ZeRO-2/3 reduce once per step and stage 3 gathers once (gradient_sync.py)
-        sent = planner.stage_communication(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
+        sent = plan_arithmetic.stage_communication(config, layout, args.seq_len, mbs, grad_acc, pp_rank)
         # all-to-all bytes follow the routing; the planner's are for balanced routing (07 tests the real ones)
         exact = [dim for dim in GROUPS if not (dim == "ep" and layout.num_experts)]
         assert {d: run["sent"][d] for d in exact} == {d: steps * sent[d] for d in exact}, what
         if layout.zero_stage:
-            _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, planner.STATE_BYTES[precision][1],
-                         steps, what)
+            _check_zero1(run, layout, config, mbs, grad_acc, pp_rank,
+                         plan_arithmetic.STATE_BYTES[precision][1], steps, what)
         if layout.zero_stage > 1 or "overlap" in extra or "bucket" in extra:
-            whole = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), args.seq_len,
-                                         mbs, grad_acc, pp_rank)["parameters"]
+            whole = plan_arithmetic.stage_memory(config, dataclasses.replace(layout, zero_stage=0),
+                                                 args.seq_len, mbs, grad_acc, pp_rank)["parameters"]
             _check_in_backward(run, layout, extra, whole, what)
     assert covered == ref_state.keys(), f"{extra}: the stages do not cover the model exactly once"
     if "--partition-activations" in extra:
@@ -318,11 +319,11 @@ def _check_zero1(run, layout, config, mbs, grad_acc, pp_rank, e, steps, what):
     logged loss (float64) and the norm squares (two, and the experts' one)."""
     n = layout.dp * layout.cp
     n_expert = n // layout.ep
-    dense, expert = planner.stage_parameters(config, layout, pp_rank)
+    dense, expert = plan_arithmetic.stage_parameters(config, layout, pp_rank)
     assert run["states"][2] == 2 * e * (dense // n + expert // n_expert), what
     if not expert:
-        plain_dp = planner.stage_memory(config, dataclasses.replace(layout, zero_stage=0), common.SEQ_LEN,
-                                        mbs, grad_acc, pp_rank)["optimizer"]
+        plain_dp = plan_arithmetic.stage_memory(config, dataclasses.replace(layout, zero_stage=0),
+                                                common.SEQ_LEN, mbs, grad_acc, pp_rank)["optimizer"]
         assert run["states"][2] * n == plain_dp, what
     wire = {key: w for key, (_, _, w) in run["comm"].items()}
     for op in ("reduce_scatter", "all_gather"):
@@ -474,7 +475,7 @@ def test_llama3_sixteen_rank_groups():
         assert sorted(r for ranks in lists for r in ranks) == list(range(16)), name
     pipelines = grid.permute(0, 2, 3, 1).reshape(-1, 2).tolist()     # what pipeline.direction_groups builds
     assert sorted(pipelines) == sorted(groups["pp"])
-    assert measured_links.bandwidths(planner.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
+    assert measured_links.bandwidths(plan_arithmetic.Layout(dp=2, pp=2, cp=2, tp=2), 8, "intra", "inter") == \
         dict(tp="intra", cp="intra", pp="intra", dp="inter", zero3="inter", ep="intra")   # only dp crosses
 
 
@@ -557,17 +558,18 @@ def test_main_exits_with_the_message_and_no_process_group(capsys):
 # ======================================================================================
 def test_planner_zero_paper_example():
     """ZeRO §5.1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
-    gb = [sum(planner.model_states(7.5e9, 64, stage)) / 1e9 for stage in range(4)]
+    gb = [sum(plan_arithmetic.model_states(7.5e9, 64, stage)) / 1e9 for stage in range(4)]
     assert gb == pytest.approx([120.0, 31.41, 16.64, 1.875], abs=0.01)
-    assert sum(planner.model_states(7.5e9, 64, 0, "fp32")) == 16 * 7.5e9     # 4 + 4 + 8: this project's fp32
+    assert sum(plan_arithmetic.model_states(7.5e9, 64, 0, "fp32")) == 16 * 7.5e9   # 4 + 4 + 8: our fp32
 
 
 def gpt3_layer_activations(tp=1, sp=False, recompute="none"):
     """One GPT-3 layer (s 2048, h 12288, a 96, b 1) through the planner, in bytes (16-bit)."""
     config = modeling.LlamaConfig(vocab_size=51200, hidden_size=12288, intermediate_size=4 * 12288,
                                   num_hidden_layers=1, num_attention_heads=96, num_key_value_heads=96)
-    layout = planner.Layout(tp=tp, sp=sp, recompute=recompute, precision="mixed")
-    return planner.stage_memory(config, layout, seq_len=2048, mbs=1, grad_acc=1, stage=0)["activations"]
+    layout = plan_arithmetic.Layout(tp=tp, sp=sp, recompute=recompute, precision="mixed")
+    return plan_arithmetic.stage_memory(config, layout, seq_len=2048, mbs=1, grad_acc=1,
+                                        stage=0)["activations"]
 
 
 def test_planner_korthikanti_activations():
@@ -601,9 +603,9 @@ def test_planner_overlap_ratios_follow_their_derivations():
     backward of one micro-batch (4·tokens·Ψ FLOPs): Ψ cancels. E9: TP uses the appendix's (t−1)/(2h)."""
     config = modeling.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                   num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4)
-    layout = planner.Layout(dp=4, tp=2, pp=2, cp=2, precision="mixed")
+    layout = plan_arithmetic.Layout(dp=4, tp=2, pp=2, cp=2, precision="mixed")
     peak, bw = 1e15, dict(dp=5e10, tp=4e11, pp=5e10, cp=4e11)
-    ratios = planner.overlap_ratios(config, layout, seq_len=4096, mbs=1, peak_flops=peak, bw=bw)
+    ratios = plan_arithmetic.overlap_ratios(config, layout, seq_len=4096, mbs=1, peak_flops=peak, bw=bw)
     psi, n, tokens = 1.0e9, 8, 4096 // 2
     t_comm, t_compute = 2 * psi * 2 * (n - 1) / n / bw["dp"], 4 * tokens * psi / peak
     assert ratios["dp"] == pytest.approx(t_comm / t_compute)

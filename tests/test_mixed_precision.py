@@ -24,6 +24,7 @@ import cli
 import memory
 import pipeline
 import mixed_precision
+import plan_arithmetic
 import planner
 train = import_module("01_single_gpu.train")
 
@@ -154,7 +155,7 @@ def test_memory_table_is_what_the_rank_holds(layout_states, layout, total, plann
     assert held == dict(parameters=report.parameters, gradients=report.gradients, master=report.master,
                         accumulation=report.accumulation, optimizer=report.optimizer)
     assert sum(report.per_parameter()) == total
-    assert report.per_parameter() == planner.model_states(1, 1, 0, planned)
+    assert report.per_parameter() == plan_arithmetic.model_states(1, 1, 0, planned)
     assert bound == {"parameters": report.parameters, "gradients": report.gradients + report.accumulation,
                      "optimizer states": report.master + report.optimizer,
                      "activations": bound["activations"]}
@@ -495,7 +496,7 @@ def test_parallel_trainers_under_each_precision_equal_the_single_device_run(trai
             args = cli.parse_args(planner.build_parser(), common.argv(
                 *flags, "--precision", PLANNED[precision], mbs=1, grad_acc=1 if "--dp" in flags else 2),
                 files=False)
-            memory = planner.stage_memory(cli.model_config(args, 257), planner.layout_of(args),
+            memory = plan_arithmetic.stage_memory(cli.model_config(args, 257), planner.layout_of(args),
                                           common.SEQ_LEN, args.mbs, args.grad_acc, got["pp_rank"])
             planned = [memory["parameters"], memory["gradients"], memory["optimizer"]]
             held = list(got["states"])

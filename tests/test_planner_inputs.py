@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+import plan_arithmetic
 import planner
 
 
@@ -59,7 +60,7 @@ def test_llama31_8b_config_plans_from_its_shapes(tmp_path, capsys):
                                                            "--pp", "4"], files=False)   # no weights here
     config, layout = planner.cli.model_config(args, 257), planner.layout_of(args)
     assert (config.rope_theta, config.rope_scaling["rope_type"], config.head_dim) == (500000.0, "llama3", 128)
-    per_tp_rank = sum(sum(planner.stage_parameters(config, layout, s)) for s in range(4))
+    per_tp_rank = sum(sum(plan_arithmetic.stage_parameters(config, layout, s)) for s in range(4))
     norms = 2 * 4096 * 32 + 4096
     assert 8 * (per_tp_rank - norms) + norms == 8_030_261_248
 
@@ -104,7 +105,7 @@ def test_the_memory_preflight_is_a_lower_bound_of_the_planners_ranks(layout):
     args = planner.cli.parse_args(planner.build_parser(), flags, files=False)
     config, plan = planner.cli.model_config(args, 257), planner.layout_of(args)
     bound = memory.rank_lower_bound(config, args, build.activation_element_bytes(args))
-    stages = [planner.stage_memory(config, plan, args.seq_len, args.mbs, args.grad_acc, stage)
+    stages = [plan_arithmetic.stage_memory(config, plan, args.seq_len, args.mbs, args.grad_acc, stage)
               for stage in range(args.pp)]
     states = max(sum(s[k] for k in ("parameters", "gradients", "optimizer")) for s in stages)
     assert 0 < bound["parameters"] + bound["gradients"] + bound["optimizer states"] <= states

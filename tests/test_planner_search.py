@@ -16,6 +16,7 @@ import pytest
 
 import forkrun
 import measured_links
+import plan_arithmetic
 import planner
 import search
 import step_time
@@ -85,7 +86,7 @@ def test_step_time_is_the_sum_of_its_terms():
     (compute + tp + cp + pp + ep)·(1 + bubble) + dp."""
     config = planner.cli.model_config(planner.cli.parse_args(planner.build_parser(), SMALL, files=False), 256)
     cluster = step_time.Cluster(16, 8, 989e12, 76e9, 3.35e12, 450e9, 50e9, 0.5)
-    lay = planner.Layout(dp=4, tp=2, sp=True, pp=2, schedule="interleaved", chunks=2, zero_stage=1,
+    lay = plan_arithmetic.Layout(dp=4, tp=2, sp=True, pp=2, schedule="interleaved", chunks=2, zero_stage=1,
                          recompute="selective")
     plan = step_time.estimate(config, lay, 2048, 2, 8, cluster)
     dense, expert = step_time.layer_flops(config, 2048, "selective")
@@ -95,9 +96,9 @@ def test_step_time_is_the_sum_of_its_terms():
     slowdown = 989e12 / 3.35e12 / plan.intensity            # h = 512: below the ridge point, memory-bound
     assert slowdown > 1
     assert plan.times["compute"] == pytest.approx(flops / (989e12 * 0.5) * slowdown, rel=1e-12)
-    sent = [planner.stage_communication(config, lay, 2048, 2, 8, s) for s in (0, 1)]
+    sent = [plan_arithmetic.stage_communication(config, lay, 2048, 2, 8, s) for s in (0, 1)]
     bw = measured_links.bandwidths(lay, 8, 450e9, 50e9)
-    ratios = planner.overlap_ratios(config, lay, 2048, 2, 989e12 * 0.5, bw)
+    ratios = plan_arithmetic.overlap_ratios(config, lay, 2048, 2, 989e12 * 0.5, bw)
     assert plan.times["tp"] == pytest.approx(max(s["tp"] for s in sent) / 450e9, rel=1e-12)
     for dim in ("pp", "dp"):
         exposed = max(s[dim] for s in sent) / bw[dim] * max(0.0, 1 - 1 / ratios[dim])
@@ -159,12 +160,12 @@ def test_fp32_gradient_copy_is_reduced_in_fp32():
     """--precision mixed-fp32-grads holds 2 + (2 + 4) + 12 bytes per parameter and all-reduces the fp32
     copy: its dp bytes are twice those of --precision mixed (2-byte gradients), its tp bytes the same."""
     config = planner.cli.model_config(planner.cli.parse_args(planner.build_parser(), SMALL, files=False), 256)
-    mixed, fp32 = (planner.stage_communication(config, planner.Layout(dp=4, tp=2, precision=p), 2048, 1, 4, 0)
-                   for p in ("mixed", "mixed-fp32-grads"))
-    scalars = planner.stage_communication(config, planner.Layout(dp=4, tp=2, precision="fp32"), 2048, 1, 4, 0)
+    mixed, fp32, scalars = (plan_arithmetic.stage_communication(
+        config, plan_arithmetic.Layout(dp=4, tp=2, precision=p), 2048, 1, 4, 0)
+        for p in ("mixed", "mixed-fp32-grads", "fp32"))
     assert fp32["tp"] == mixed["tp"] and fp32["dp"] == scalars["dp"]
     assert fp32["dp"] == pytest.approx(2 * mixed["dp"], rel=1e-6)
-    assert sum(planner.model_states(1.0, 1, 0, "mixed-fp32-grads")) == 20
+    assert sum(plan_arithmetic.model_states(1.0, 1, 0, "mixed-fp32-grads")) == 20
 
 
 def test_nothing_fits_says_what_to_try(capsys):
@@ -239,8 +240,8 @@ def test_v_schedules_are_searched_with_two_chunks_and_their_formulas():
                                     num_hidden_layers=chunk_layers)
             one = memory.activation_bytes_estimate(chunk, plan.mbs, args.seq_len, 2, lay.recompute, tp=lay.tp,
                                                    sp=lay.sp, cp=lay.cp)     # 2-byte activations (mixed)
-            assert planner.stage_memory(config, lay, args.seq_len, plan.mbs, m, stage)["activations"] == \
-                held * one, (lay, stage)
+            planned = plan_arithmetic.stage_memory(config, lay, args.seq_len, plan.mbs, m, stage)
+            assert planned["activations"] == held * one, (lay, stage)
         per_micro_batch = sum(plan.times[k] for k in ("compute", "tp", "cp", "pp", "ep"))
         assert plan.times["step"] == pytest.approx(per_micro_batch * (1 + bubble) + plan.times["dp"],
                                                    rel=1e-12)

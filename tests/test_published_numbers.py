@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+import plan_arithmetic
 import planner
 import search
 import step_time
@@ -37,7 +38,7 @@ def gpt(heads, hidden, layers):
 
 
 def parameters(config):
-    return sum(planner.stage_parameters(config, planner.Layout(), 0))
+    return sum(plan_arithmetic.stage_parameters(config, plan_arithmetic.Layout(), 0))
 
 
 # ======================================================================================
@@ -46,9 +47,9 @@ def parameters(config):
 @pytest.mark.parametrize("row", ROWS)
 def test_megatron_table1_parameter_counts(row):
     """Megatron-LM Table 1, "Number of parameters (billion)": the planner's count of the GPT it describes
-    (search.GPTConfig through planner.stage_parameters) printed to 0.1B, as the table prints it. The paper's
-    P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) leaves out the final LayerNorm, 2h parameters: the
-    difference is exactly that, far below the printed digit."""
+    (search.GPTConfig through plan_arithmetic.stage_parameters) printed to 0.1B, as the table prints it.
+    The paper's P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) leaves out the final LayerNorm, 2h
+    parameters: the difference is exactly that, far below the printed digit."""
     billions, heads, hidden, layers = row[:4]
     count = parameters(gpt(heads, hidden, layers))
     formula = 12 * layers * hidden ** 2 * (1 + 13 / (12 * hidden) + (V + S) / (12 * layers * hidden))
@@ -185,7 +186,8 @@ def test_playbook_memory_table(name):
     table rounds by +23.6%, −3.7%, +0.8% and +0.2% of the count; and from 7B on the states alone exceed an
     H100's 80 GB, as the playbook says."""
     n = name * 1e9
-    mixed, fp32_grads = (sum(planner.model_states(n, 1, 0, p)) / 1e9 for p in ("mixed", "mixed-fp32-grads"))
+    mixed, fp32_grads = (sum(plan_arithmetic.model_states(n, 1, 0, p)) / 1e9
+                         for p in ("mixed", "mixed-fp32-grads"))
     assert (mixed, fp32_grads) == pytest.approx(PLAYBOOK_TABLE[name], rel=1e-12)
     published, shape = LLAMAS[name]
     count = parameters(modeling.LlamaConfig(**shape))
@@ -208,24 +210,24 @@ def test_gpt175b_talk_parameters_and_states_per_gpu():
     (12) of --precision mixed-fp32-grads. Its "ZeRO-1: 21.9 → 2.7 GB" shards all 16 bytes; ZeRO (§5.1)
     and the planner shard the 12 at stage 1 (2.06 GB) and the gradients from stage 2: not reproduced on
     purpose."""
-    config, layout = gpt(96, 12288, 96), planner.Layout(tp=8, pp=16)
-    per_rank = [sum(planner.stage_parameters(config, layout, s)) for s in range(16)]
+    config, layout = gpt(96, 12288, 96), plan_arithmetic.Layout(tp=8, pp=16)
+    per_rank = [sum(plan_arithmetic.stage_parameters(config, layout, s)) for s in range(16)]
     assert [round(per_rank[s] / 1e9, 3) for s in (0, 1, 15)] == [1.463, 1.359, 1.438]
     psi = sum(per_rank) / 16
     assert round(psi / 1e9, 2) == 1.37
     psi = 1.37e9                                                   # the talk's count, for its GB figures
-    weights, gradients, optimizer = planner.model_states(psi, 1, 0, "mixed-fp32-grads")
+    weights, gradients, optimizer = plan_arithmetic.model_states(psi, 1, 0, "mixed-fp32-grads")
     assert (weights / 1e9, (gradients - 4 * psi) / 1e9) == pytest.approx((2.74, 2.74), abs=5e-3)
     assert (4 * psi + optimizer) / 1e9 == pytest.approx(21.9, abs=0.05)
-    assert planner.model_states(psi, 8, 2)[1] / 1e9 == pytest.approx(0.34, abs=5e-3)
-    assert planner.model_states(psi, 8, 3)[0] / 1e9 == pytest.approx(0.34, abs=5e-3)
-    assert planner.model_states(psi, 8, 1)[2] / 1e9 == pytest.approx(2.055, abs=1e-3)
+    assert plan_arithmetic.model_states(psi, 8, 2)[1] / 1e9 == pytest.approx(0.34, abs=5e-3)
+    assert plan_arithmetic.model_states(psi, 8, 3)[0] / 1e9 == pytest.approx(0.34, abs=5e-3)
+    assert plan_arithmetic.model_states(psi, 8, 1)[2] / 1e9 == pytest.approx(2.055, abs=1e-3)
 
 
 def gpt3_layer_activations(**layout):
-    """One GPT-3 layer (b = 1, s = 2048) through search.GPTConfig and planner.stage_memory, in bytes."""
+    """One GPT-3 layer (b = 1, s = 2048) through search.GPTConfig and plan_arithmetic.stage_memory, bytes."""
     config = search.GPTConfig(12288, 1, 96, V, S)
-    return planner.stage_memory(config, planner.Layout(**layout), S, 1, 1, 0)["activations"]
+    return plan_arithmetic.stage_memory(config, plan_arithmetic.Layout(**layout), S, 1, 1, 0)["activations"]
 
 
 def test_gpt175b_talk_activations_per_layer():
@@ -251,7 +253,7 @@ def test_gpt175b_talk_recompute_overhead():
     forward = step_time.layer_flops(config, S, "none")[0] / 3
     assert 4 * S * 12288 / forward == pytest.approx(0.027, abs=5e-4)
     cluster = step_time.Cluster(1024, 8, 312e12, 76e9, 2.039e12, 300e9, 25e9, 0.45)
-    step = {r: step_time.estimate(config, planner.Layout(dp=16, tp=8, sp=True, pp=8, recompute=r), S, 1, 96,
-                               cluster).times["step"] for r in ("none", "selective", "full")}
+    step = {r: step_time.estimate(config, plan_arithmetic.Layout(dp=16, tp=8, sp=True, pp=8, recompute=r), S,
+                                  1, 96, cluster).times["step"] for r in ("none", "selective", "full")}
     assert step["full"] / step["none"] - 1 == pytest.approx(0.330, abs=5e-4)
     assert step["selective"] / step["none"] - 1 == pytest.approx(0.0082, abs=5e-5)

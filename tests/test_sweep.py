@@ -24,6 +24,7 @@ from common import TINY
 from test_cluster_launch import stand_ins
 
 import measured_links
+import plan_arithmetic
 import planner
 import search
 import step_time
@@ -159,7 +160,7 @@ def test_the_planner_moves_each_dimension_at_its_collectives_measured_bandwidth(
                                                                {(c, s): 123 for c, s in figures})),
                                                            "--global-batch-tokens", "1048576"], files=False)
     typed = planner.cli.with_values(args, bandwidths=None, bw_intra=123, bw_inter=123)
-    lay, config = planner.Layout(dp=2, tp=4, sp=True, pp=2, zero_stage=1), search.model_config(args)
+    lay, config = plan_arithmetic.Layout(dp=2, tp=4, sp=True, pp=2, zero_stage=1), search.model_config(args)
     measured = step_time.estimate(config, lay, 4096, 1, 8, step_time.cluster_of(args))
     assert measured.times == pytest.approx(step_time.estimate(config, lay, 4096, 1, 8,
                                                               step_time.cluster_of(typed)).times, rel=1e-12)
