@@ -27,7 +27,6 @@ import functools
 import build
 import cli
 import loop
-import memory
 import mixed_precision
 import metrics
 import recompute
@@ -109,7 +108,6 @@ def run(args, config, dataset, grid):
     if grid.rank == 0:
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters in "
               f"{len(zero.units)} flat units (Ψ = {zero.padded_numel} padded elements), {config}")
-    host_side = offload or (zero if args.offload == "param" else None)     # what holds the host's bytes
     step = functools.partial(train_step, model, optimizer, zero=zero, offload=offload, grid=grid, args=args)
     with comm.CommMeter(grid.group_names()) as meter:
         records = loop.train(args, step, model, optimizer, dataset,
@@ -117,40 +115,11 @@ def run(args, config, dataset, grid):
                              grid=grid, layout={"dp": grid.dp_size, "zero_stage": args.zero_stage},
                              eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
                                                                          args=args)))
-    params, grads, states = zero.model_state_bytes(model, optimizer)
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
                           steps=len(records)))
-        activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
-                                                       build.activation_element_bytes(args), args.recompute)
-        report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
-                                     layout=precision.name)
-        where = ", on the device" if host_side else ""
-        print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {grid.dp_size}{where}; "
-                           f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
-        numel = sum(p.numel() for p in model.parameters())
-        expected = layout_mod.expected_state_bytes(args.zero_stage, grid.dp_size, zero.padded_bytes,
-                                                   precision, numel)
-        # ZeRO-Offload's split: the optimizer (param: the shards too) on the host
-        if host_side:
-            expected, host = layout_mod.expected_offload_bytes(args.offload, args.zero_stage, grid.dp_size,
-                                                               zero.padded_bytes, precision, numel)
-        print("  ZeRO paper:                  " + mib_line(expected))
-        if host_side:
-            print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))
-            print("  ZeRO-Offload paper, host:    " + mib_line(host))
-        if args.offload == "param":
-            formula = layout_mod.expected_peak_device_bytes(zero.units)
-            print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most "
-                  f"(gathered units and shard copies, measured), {formula / 2**20:.2f} MiB by the formula")
-            print(f"  copies in the last step:     {zero.h2d_bytes / 2**20:.2f} MiB host -> device, "
-                  f"{zero.d2h_bytes / 2**20:.2f} MiB back (2A·eΨ/N and A·eΨ/N)")
+        layout_mod.print_memory(zero, offload, model, optimizer, args, config, grid.dp_size, precision)
     return records, zero, model, optimizer, meter, offload
-
-
-def mib_line(state_bytes) -> str:
-    return ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
-                     zip(("parameters", "gradients", "optimizer states"), state_bytes))
 
 
 def main(argv=None):

@@ -15,8 +15,10 @@ these numbers. Per rank, Ψ padded elements of e bytes, N ranks, AdamW's 2 state
 `check_zero` and `check_offload` raise every rule's error before any process group exists.
 
     torchrun --nproc_per_node 2 03_zero/train.py --dp 2 --zero-stage 2 --offload optimizer
-New compared with 02: --zero-stage and --offload.
+New compared with 02: --zero-stage and --offload; `print_memory` sets the measured bytes beside them.
 """
+import build
+import memory
 
 
 def add_arguments(parser):
@@ -98,3 +100,38 @@ def expected_peak_device_bytes(units):
     full = [u.padded * u.full.element_size() for u in units]
     n = units[0].padded // (units[0].hi - units[0].lo)
     return max(a + b + max(a, b) // n for a, b in zip(full, full[1:]))
+
+
+def print_memory(zero, offload, model, optimizer, args, config, dp_size, precision):
+    """Rank 0 after training: the model states this rank holds, measured, beside the papers' numbers (and
+    with --offload, what the host holds; with --offload param, the device's peak and copies in a step)."""
+    host_side = offload or (zero if args.offload == "param" else None)     # what holds the host's bytes
+    params, grads, states = zero.model_state_bytes(model, optimizer)
+    activations = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
+                                                   build.activation_element_bytes(args), args.recompute)
+    report = memory.MemoryReport(params, grads, states, activations, numel=zero.padded_numel,
+                                 layout=precision.name)
+    where = ", on the device" if host_side else ""
+    print(report.table(f"memory per rank, measured (ZeRO-{args.zero_stage}, dp {dp_size}{where}; "
+                       f"fp32 masters in optimizer states, fp32 accumulation in gradients)"))
+    numel = sum(p.numel() for p in model.parameters())
+    expected = expected_state_bytes(args.zero_stage, dp_size, zero.padded_bytes, precision, numel)
+    # ZeRO-Offload's split: the optimizer (param: the shards too) on the host
+    if host_side:
+        expected, host = expected_offload_bytes(args.offload, args.zero_stage, dp_size, zero.padded_bytes,
+                                                precision, numel)
+    print("  ZeRO paper:                  " + mib_line(expected))
+    if host_side:
+        print("  host (offloaded), measured:  " + mib_line(host_side.host_bytes(optimizer)))
+        print("  ZeRO-Offload paper, host:    " + mib_line(host))
+    if args.offload == "param":
+        formula = expected_peak_device_bytes(zero.units)
+        print(f"  device, during the step:     {zero.peak_device_bytes / 2**20:.2f} MiB at most "
+              f"(gathered units and shard copies, measured), {formula / 2**20:.2f} MiB by the formula")
+        print(f"  copies in the last step:     {zero.h2d_bytes / 2**20:.2f} MiB host -> device, "
+              f"{zero.d2h_bytes / 2**20:.2f} MiB back (2A·eΨ/N and A·eΨ/N)")
+
+
+def mib_line(state_bytes) -> str:
+    return ", ".join(f"{name} {v / 2**20:.2f} MiB" for name, v in
+                     zip(("parameters", "gradients", "optimizer states"), state_bytes))

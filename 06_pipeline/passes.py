@@ -7,6 +7,7 @@ ZB's `backward_input` / `backward_weight` run the two halves of a backward (zero
 (schedules.py, v_schedules.py) is only the order of these calls. Each pass is stamped by a pass clock
 (the host's on the CPU, CUDA events on a GPU), from which timeline.py draws what really ran.
 
+    pipe = build_pipeline(stages, grid, args, (mbs, T, C), device, optimizer.scale)     # 06's train.py
     pipe.begin(micro_batches); pipe.forward(0); pipe.backward(0); loss = pipe.finish()
 """
 import contextlib
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+import build
 import pipeline
+import point_to_point
+import schedules
 import zero_bubble
 
 
@@ -193,3 +197,14 @@ class Pipeline:
         self.events = [Event(self.rank, op, micro, chunk, start, end) for (op, micro, chunk, *_), start, end
                        in zip(self._stamps, times[::2], times[1::2])]
         return self.loss
+
+
+def build_pipeline(stages, grid, args, shape, device, scale_loss, grad_sync=None) -> Pipeline:
+    """This rank's Pipeline over `stages` under --pp-schedule: messages of `shape` in the dtype of the
+    parameters, each direction in its own process group (collective: every rank creates every pipeline's),
+    the pass clock of `device`, and ZB's split backward for the schedules whose W runs apart."""
+    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
+    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks, shape,
+                             build.param_dtype(args), device, v_shape=args.pp_schedule in pipeline.V_SHAPED)
+    return Pipeline(stages, p2p, pass_clock(device), grad_sync=grad_sync, scale_loss=scale_loss,
+                    split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD)

@@ -38,7 +38,6 @@ import process_grid
 import comm
 import data_parallel
 import pipeline
-import point_to_point
 import passes
 import schedules
 import timeline
@@ -89,18 +88,14 @@ def run(args, config, dataset, grid):
     device = build.device_of(args)
     full = build.build_model(args, config)                  # on meta: shapes only
     recompute.apply_recompute(full, args.recompute)
-    v_shape = args.pp_schedule in pipeline.V_SHAPED                   # zb-v, dualpipev: blocks r and 2p−1−r
-    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks, v_shape=v_shape)
+    # zb-v, dualpipev: rank r holds blocks r and 2p−1−r
+    stages = pipeline.build_stages(full, grid.pp_rank, grid.pp_size, args.pp_chunks,
+                                   v_shape=args.pp_schedule in pipeline.V_SHAPED)
     build.materialize(full, args, keep=stages.parameters())  # only this rank's stages get values
     del full                                                # the other stages' layers never existed
     optimizer = mixed_precision.MixedPrecisionOptimizer(stages.parameters(), args)   # AdamW on fp32 masters
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size)          # (mbs, T, C)
-    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
-    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks, shape,
-                             build.param_dtype(args), device, v_shape)
-    pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
-                           split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD,
-                           scale_loss=optimizer.scale)                              # fp16: × S
+    pipe = passes.build_pipeline(stages, grid, args, shape, device, optimizer.scale)     # fp16: × S
     held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
     if grid.rank == 0:
         per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
@@ -110,7 +105,7 @@ def run(args, config, dataset, grid):
                             args, config, f"memory of rank 0 (dp {grid.dp_size}, pp {grid.pp_size}, "
                                           f"activations of {held} micro-batch·chunks held)")
     step = functools.partial(train_step, pipe, optimizer, grid=grid, args=args)
-    with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
+    with comm.CommMeter({**grid.group_names(), **pipe.p2p.group_names()}) as meter:
         records = loop.train(args, step, stages, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len), grid=grid,
                              layout={"dp": grid.dp_size, "pp": grid.pp_size, "pp_chunks": args.pp_chunks},

@@ -45,7 +45,6 @@ import process_grid
 import comm
 import sequence_parallel
 import pipeline
-import point_to_point
 import passes
 import schedules
 import timeline
@@ -111,8 +110,14 @@ def state_bytes(stages, optimizer, sync):
             memory.optimizer_state_bytes(optimizer) + memory.held_bytes(masters))
 
 
-def report(grid, stages, optimizer, meter, activations, steps, sync):
+def report(args, config, grid, stages, optimizer, meter, steps, sync):
     """Rank 0 prints the measured memory of every stage and the communication of each stage's first rank."""
+    per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
+                                                       build.activation_element_bytes(args), args.recompute,
+                                                       tp=args.tp, sp=args.sp, cp=args.cp)
+    per_micro_batch //= args.tp if args.partition_activations else 1          # P_a: 1/tp of each checkpoint
+    held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
+    activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
     mine = dict(coords=(grid.dp_rank, grid.pp_rank, grid.cp_rank, grid.tp_rank),
                 states=state_bytes(stages, optimizer, sync), activations=activations,
                 gathered=sum(z.peak_gathered_bytes for z in getattr(sync, "zeros", [])),   # ZeRO-3
@@ -137,6 +142,13 @@ def report(grid, stages, optimizer, meter, activations, steps, sync):
             print(stage_meter.table(f"communication of rank {first} (pp stage {stage}) per step",
                                     steps=steps))
     return everyone
+
+
+def checkpoint_layout(args, grid) -> dict:
+    """What a checkpoint records of the layout (01's loop refuses to resume another)."""
+    return {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size, "sp": args.sp,
+            "pp_chunks": args.pp_chunks, "ep": grid.ep_size, "num_experts": args.num_experts,
+            "zero_stage": args.zero_stage}
 
 
 def print_grid(args, grid, config):
@@ -167,33 +179,19 @@ def run(args, config, dataset, grid):
     # 6. DP or ZeRO, and 01's AdamW (fp32 masters) on its shards
     sync, optimizer = gradient_sync.make(stages, dense, expert_params, norm_weights, grid, args, source)
     shape = pipeline.boundary_shape(args.mbs, args.seq_len, config.hidden_size, args.cp, args.tp, args.sp)
-    groups = point_to_point.direction_groups(grid, args.pp_chunks)                      # collective
-    p2p = point_to_point.P2P(grid.pp_ranks, grid.pp_rank, groups, args.pp_chunks,
-                             shape, build.param_dtype(args), device,                    # (mbs, T/cp[/tp], C)
-                             v_shape=args.pp_schedule in pipeline.V_SHAPED)
-    pipe = passes.Pipeline(stages, p2p, passes.pass_clock(device),          # ZB: split dW off B
-                           split_backward=args.pp_schedule in schedules.SPLIT_BACKWARD, grad_sync=sync,
-                           scale_loss=optimizer.scale)                             # fp16: × S
-    held = schedules.peak_held(args.pp_schedule, grid.pp_size, grid.pp_rank, args.grad_acc, args.pp_chunks)
-    per_micro_batch = memory.activation_bytes_estimate(config, args.mbs, args.seq_len,
-                                                       build.activation_element_bytes(args), args.recompute,
-                                                       tp=args.tp, sp=args.sp, cp=args.cp)
-    per_micro_batch //= args.tp if args.partition_activations else 1          # P_a: 1/tp of each checkpoint
-    activations = per_micro_batch * held // (grid.pp_size * args.pp_chunks)       # one chunk's layers × held
+    # (mbs, T/cp[/tp], C) messages; DP or ZeRO reduce in a chunk's last backward; fp16: × S
+    pipe = passes.build_pipeline(stages, grid, args, shape, device, optimizer.scale, grad_sync=sync)
     if grid.rank == 0:
         print_grid(args, grid, config)
     flops = metrics.flops_per_token(config, args.seq_len)
     if args.num_experts:                                   # MFU: the k experts a token uses (07)
         flops = moe.flops_per_token(flops, config, args.num_experts, args.top_k, args.shared_experts)
-    checkpoint_layout = {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                         "sp": args.sp, "pp_chunks": args.pp_chunks, "ep": grid.ep_size,
-                         "num_experts": args.num_experts, "zero_stage": args.zero_stage}
     step = functools.partial(train_step, pipe, optimizer, sync=sync, grid=grid, args=args)
-    with comm.CommMeter({**grid.group_names(), **p2p.group_names()}) as meter:
+    with comm.CommMeter({**grid.group_names(), **pipe.p2p.group_names()}) as meter:
         evaluate = meter.unmetered(functools.partial(eval_step, pipe, grid=grid, args=args))
         records = loop.train(args, step, stages, optimizer, dataset, flops, grid=grid,
-                             layout=checkpoint_layout, eval_step=evaluate)
-    everyone = report(grid, stages, optimizer, meter, activations, max(len(records), 1), sync)
+                             layout=checkpoint_layout(args, grid), eval_step=evaluate)
+    everyone = report(args, config, grid, stages, optimizer, meter, max(len(records), 1), sync)
     if args.capacity_factor and records:                   # after the meter: not training traffic
         experts.log_dropped(dropped, len(records), args, config, grid)
     if grid.pp_size > 1:
