@@ -80,22 +80,6 @@ class ProcessGrid:
     expert_dp_group: object    # ranks that hold the same experts (over dp/ep and cp)
     pp_ranks: tuple            # global ranks of this rank's pipeline, stage 0 first
 
-    @property
-    def pp_prev_rank(self):  # global rank of the previous stage, or None on the first
-        return self.pp_ranks[self.pp_rank - 1] if self.pp_rank > 0 else None
-
-    @property
-    def pp_next_rank(self):
-        return self.pp_ranks[self.pp_rank + 1] if self.pp_rank < self.pp_size - 1 else None
-
-    @property
-    def is_first_stage(self):
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self):
-        return self.pp_rank == self.pp_size - 1
-
     def group_names(self) -> dict:
         """id(group) -> name, for the communication meter's tables."""
         names = {}

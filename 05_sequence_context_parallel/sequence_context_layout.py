@@ -9,8 +9,7 @@ parallelism the same way:
                  across the cp ranks
 
 `check_sequence_layout` raises every rule's error before any process group exists; `parallelize`
-applies the transforms to the seeded full model in place and returns the norm weights whose gradients
-SP sums over tp.
+applies the transforms to the seeded full model in place.
 
     torchrun --nproc_per_node 4 05_sequence_context_parallel/train.py --tp 2 --sp --cp 2
 New compared with 04: the trainer's rules and transforms gathered here, so that 08 applies them alike.

@@ -25,9 +25,8 @@ import zero_bubble
 
 @dataclass(frozen=True)
 class Event:
-    """One pass that a rank really ran: op F (forward), B (backward, or input-gradient only in
-    ZB-H1), W (weight gradient, ZB-H1); start and end in seconds of the host clock (time.time(),
-    comparable across processes of one machine), measured by the pipeline's pass clock."""
+    """One pass a rank really ran: op F, B (a split one: the input gradient) or W; start and end in host
+    seconds (time.time(), comparable across the processes of one machine), by the pass clock."""
     rank: int
     op: str
     micro: int
@@ -93,22 +92,15 @@ class NoGradientSync:
 
 
 class Pipeline:
-    """This rank's chunks and their passes on micro-batches; `held` counts micro-batches (per
-    chunk) whose activations are kept for a backward (or, under ZB-H1, a W) not yet run.
-
-    split_backward (ZB-H1, ZB-V, DualPipeV): the linear layers' dW can be split off the backward
-    (zero_bubble.py) into `weight_store`, which this pipeline owns; `backward_input` and
-    `backward_weight` run the halves, `backward` still runs both at once.
+    """This rank's chunks and their passes on micro-batches; `peak_held` counts the micro-batches (per
+    chunk) kept for a backward (or a ZB W) not yet run. split_backward (ZB-H1, ZB-V, DualPipeV): dW split
+    off into `weight_store` (zero_bubble.py), run by `backward_input` and `backward_weight`.
 
     grad_sync (08): every pass runs inside `grad_sync.forward(chunk)` or `grad_sync.backward(chunk,
-    final)`. A chunk gets one B and, split, one W per micro-batch (a whole backward counts as both), so
-    the pipeline counts them: `final` is True on the pass that completes the chunk's m-th of every kind
-    it does, after which the gradients it adds to (W: the split linears', B: the others') are complete
-    for the step, whatever the schedule's order. Data parallelism reduces them then (02's `no_sync` on
-    the other passes; 08's gradient_sync.py; what no final pass reduced, finish_gradients does).
-
-    scale_loss: what backward starts from, given a loss (01's MixedPrecisionOptimizer.scale: × fp16's S;
-    the earlier stages receive gradients of the scaled loss, a side loss is scaled as well)."""
+    final)`; `final` is True on the pass that completes the chunk's m-th of every kind it does (a whole
+    backward counts as B and W), after which its gradients are complete for the step, whatever the
+    schedule's order: data parallelism reduces them then (08's gradient_sync.py).
+    scale_loss: what backward starts from, given a loss (01's MixedPrecisionOptimizer.scale: fp16's × S)."""
 
     def __init__(self, stages, p2p, clock=None, split_backward=False, grad_sync=None, scale_loss=None):
         self.stages, self.p2p, self.clock = stages, p2p, clock or HostClock()

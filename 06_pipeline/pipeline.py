@@ -18,9 +18,6 @@ Communication: one mbs·T·C message each way per micro-batch and block boundary
 Parameters, gradients and optimizer states shrink by p; the activations a stage holds do not
 (the schedule decides how many micro-batches are in flight, schedules.py).
 
-This file: validation, the stage modules cut from the full model, the gradient norm over all stages and
-the loss broadcast. The point-to-point messages are in point_to_point.py, the schedules in schedules.py.
-
     torchrun --nproc_per_node 4 06_pipeline/train.py --pp 4 --pp-schedule 1f1b --grad-acc 8
 New compared with 02: the model is cut by layers, not replicated; activations travel point to point.
 """
@@ -179,10 +176,8 @@ def single_device_name(name: str) -> str:
 # Gradient norm over all stages, and the loss every rank logs
 # ======================================================================================
 def clip_grad_norm_pp(params, max_norm: float, pp_group):
-    """Clip by the global norm ‖g‖ = sqrt(Σ_stages Σ_params ‖g‖²), as 01 clips the whole model.
-
-    Data-parallel replicas hold identical (averaged) gradients, so the pipeline group suffices.
-    """
+    """Clip by the global norm ‖g‖ = sqrt(Σ_stages Σ_params ‖g‖²), as 01 clips the whole model (the dp
+    replicas hold the same averaged gradients, so the pipeline group suffices)."""
     grads = [p.grad for p in params if p.grad is not None]    # every stage holds at least one layer
     dtype = torch.promote_types(grads[0].dtype, torch.float32)  # fp64 stays fp64; bf16 sums in fp32
     squares = torch.stack([g.detach().to(dtype).pow(2).sum() for g in grads]).sum()

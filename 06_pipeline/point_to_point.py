@@ -26,14 +26,11 @@ import pipeline
 
 def direction_groups(grid, chunks: int):
     """{(direction, descends): process group} with this rank's pipeline in each (collective: every rank
-    creates every pipeline's groups, in the same order).
-
-    Forward and backward messages get process groups of their own, and so do the hops whose forward
-    message goes down to a lower rank (`descends`: the ring's wrap from the last rank to the first
-    under interleaving, the V's way back up under zb-v and dualpipev): NCCL runs the sends and receives
-    between two ranks of one communicator in issue order, so a send waiting for its receiver must never
-    sit in front of a receive the receiver is itself waiting to complete. Within one group every pair
-    of ranks talks one way, both ends in the same micro-batch order, so each queue always matches."""
+    creates every pipeline's groups, in the same order). `descends`: the hops whose forward message goes
+    down to a lower rank (the interleaved ring's wrap, the V's way back). NCCL runs one communicator's
+    sends and receives between two ranks in issue order, so a send waiting for its receiver must never sit
+    in front of a receive the receiver waits for: within one group every pair talks one way, both ends in
+    the same micro-batch order."""
     layout = process_grid.grid_layout(grid.world_size, grid.dp_size, grid.pp_size, grid.cp_size, grid.tp_size)
     pipelines = layout.permute(0, 2, 3, 1).reshape(-1, grid.pp_size).tolist()       # (dp·cp·tp, pp)
     mine = {}
@@ -46,16 +43,9 @@ def direction_groups(grid, chunks: int):
 
 
 class P2P:
-    """Sends and receives of (mbs, T, C) tensors between neighbouring blocks of one pipeline.
-
-    A send is asynchronous (`dist.isend`, completed at the end of the step), a receive blocks until
-    its tensor has arrived (`dist.irecv(...).wait()`), so the schedule only fixes the order of the
-    computations. Every message carries a tag naming (micro-batch, block boundary, direction): a
-    schedule that received out of order would fail loudly instead of mixing micro-batches up.
-    Each travels in the process group of its direction (`direction_groups`). The ring wraps
-    (rank p−1 -> rank 0) for interleaved chunks; V-wise (`v_shape`) the hop between rank p−1's two
-    blocks stays on the rank: the tensor is handed over in memory, no message.
-    """
+    """Sends (`dist.isend`, completed at the end of the step) and blocking receives of (mbs, T, C) tensors
+    between neighbouring blocks of one pipeline, tagged and grouped as the module docstring says. V-wise
+    (`v_shape`) the hop between rank p−1's two blocks stays on the rank: handed over in memory."""
 
     def __init__(self, pp_ranks, pp_rank: int, groups: dict, chunks: int, shape, dtype, device,
                  v_shape: bool = False):

@@ -129,8 +129,3 @@ def make(stages, dense, expert_params, norm_weights, grid, args, source=None):
     optimizer = mixed_precision.MixedPrecisionOptimizer(dense + expert_params, args)
     return DataParallelSync(dense, expert_params, grid, args.dp_mode, args.bucket_mb, norm_weights,
                             optimizer.grad_owners_of), optimizer
-
-
-def tp_kv_replicas(args) -> int:
-    """How many tp ranks hold each kv head (04's rule), from the flags alone (before the model exists)."""
-    return kv_replication.kv_replicas(args.num_kv_heads, args.tp)
