@@ -10,17 +10,14 @@ owns slice r of every unit: its shard. AdamW (01's, unchanged) steps only the sh
     stage 3  + parameters       a unit all-gathered before its forward and its backward, freed after;
                                 the next unit's all-gather issued one unit ahead
 
-Memory per rank (Ψ padded elements, e bytes each, AdamW's 2 states): DP eΨ + eΨ + 2eΨ; stage 1
-eΨ + eΨ + 2eΨ/N; stage 2 eΨ + eΨ/N + 2eΨ/N; stage 3 eΨ/N + eΨ/N + 2eΨ/N. Wire bytes per step with A
-micro-batches and B = eΨ: 2·(N−1)/N·B (stage 1, DP's volume), (A+1)·(N−1)/N·B (stage 2),
-3A·(N−1)/N·B (stage 3); zero_layout.py holds the flags and these numbers. Derivation: 03_zero/README.md.
+Memory per rank: zero_layout.py's table (stage s divides one more of eΨ, eΨ, 2eΨ by N). Wire bytes per
+step with A micro-batches and B = eΨ: 2·(N−1)/N·B (stage 1, DP's volume), (A+1)·(N−1)/N·B (stage 2),
+3A·(N−1)/N·B (stage 3). Derivation: 03_zero/README.md.
 
     torchrun --nproc_per_node 4 03_zero/train.py --dp 4 --zero-stage 3 --mbs 2
 
 New compared with 02: the flat units, the sharded optimizer, and where each collective happens.
-08_5d_combined/distributed_optimizer.py runs stage 1 on the stages of a pipeline and the tp shards: it
-builds the units from the stage modules, leaves the experts (`exclude`) to a second ZeRO whose gradient
-is a sum divided by dp (`divisor`), and sums `shard_squares` by 04's tp rules for the norm.
+08_5d_combined/distributed_optimizer.py runs it on the stages of a pipeline and the tp shards.
 """
 import contextlib
 import warnings

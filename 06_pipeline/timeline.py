@@ -9,11 +9,8 @@ this file turns the events of all ranks of one pipeline into
     (idle / useful, the playbook's t_pb / t_id), averaged over the ranks: noisy on a shared CPU;
   * the replayed bubble: the recorded order of passes re-timed with ideal durations (t_F = 1,
     t_B = 2 for a fused backward, t_B = t_W = 1 when split, each /V with V chunks) and only the data
-    dependencies between stages; it equals the theory exactly when a schedule is what it claims:
-        afab, 1f1b: (p−1)/m     interleaved: (p−1)/(V·m)     zb-h1: (p−1)/(3m)
-        zb-v: (p−1)/(6m) (m ≥ 2p−1)     dualpipev: (p−1)/(3m), its F&B pairs replayed as one unit
-    (ZB paper §3.1: ZB-H1's bubble is (p−1)(t_F+t_B−t_W) against 1F1B's (p−1)(t_F+t_B+t_W); the V
-    schedules': `theory_bubble`);
+    dependencies between stages; it equals the theory (`theory_bubble`: schedules.py's and
+    v_schedules.py's tables; DualPipeV's F&B pairs replayed as one unit) when a schedule is what it claims;
   * `timeline_violations`: every pass starts after the passes it depends on ended (F of block b
     after F of block b−1, B after the B of block b+1, W after its B) and a rank runs one pass at a time;
   * `render_png`: one row per rank (a lane per chunk), boxes coloured and labelled by micro-batch,
