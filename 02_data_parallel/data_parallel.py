@@ -28,6 +28,8 @@ import math
 import torch
 import torch.distributed as dist
 
+import loop
+
 
 # ======================================================================================
 # naive: one blocking all-reduce per gradient, after backward
@@ -230,6 +232,12 @@ def global_mean(loss, group) -> float:
     loss = torch.as_tensor(loss).detach().clone()                       # () on every rank
     dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=group)            # gloo has no ReduceOp.AVG
     return float(loss / dist.get_world_size(group))
+
+
+def eval_step(model, micro_batches, group, args) -> float:
+    """A held-out global batch's loss, forward only: this rank's rows (ZeRO-3 gathers each unit in its
+    forward), then the mean over the ranks of `group` (02-04's and 07's trainers evaluate with it)."""
+    return global_mean(loop.mean_loss(model, micro_batches, args), group)
 
 
 def add_arguments(parser):

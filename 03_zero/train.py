@@ -66,11 +66,6 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     return data_parallel.global_mean(loss, grid.dp_group), grad_norm
 
 
-def eval_step(model, micro_batches, grid, args):
-    """A held-out global batch's loss, forward only: this rank's rows (ZeRO-3 gathers each unit in its
-    forward), then the mean over the dp ranks."""
-    return data_parallel.global_mean(loop.mean_loss(model, micro_batches, args), grid.dp_group)
-
 def build_parser():
     parser = cli.core_parser(__doc__.splitlines()[0])
     process_grid.add_degree_arguments(parser, "dp")
@@ -113,8 +108,8 @@ def run(args, config, dataset, grid):
         records = loop.train(args, step, model, optimizer, dataset,
                              metrics.flops_per_token(config, args.seq_len),
                              grid=grid, layout={"dp": grid.dp_size, "zero_stage": args.zero_stage},
-                             eval_step=meter.unmetered(functools.partial(eval_step, model, grid=grid,
-                                                                         args=args)))
+                             eval_step=meter.unmetered(functools.partial(
+                                 data_parallel.eval_step, model, group=grid.dp_group, args=args)))
     if grid.rank == 0 and records:
         print(meter.table(f"communication per rank per step (average of {len(records)} steps)",
                           steps=len(records)))
