@@ -1,14 +1,15 @@
 """08_5d_combined/sweep.py and the planner's --bandwidths: layouts measured beside the planner's prediction.
 
 The sweep runs real jobs of 08's trainer on the tiny model (gloo, 2 steps each). At world 4, forked ranks
-(--launcher fork: the imports once, ~0.5 CPU-s a row): dp, tp, pp, cp, ep and ZeRO-1 must run to the end
-with their speed, memory and communication per rank; a row whose model cannot fit the rank's memory cap
-(--memory-limit-gb 1.5; a 20,000,000-token vocabulary: 2.56 GB a matrix, so its first allocation fails)
-must end as out of memory with its allocator's line; a row whose checkpoint folder holds a named pipe
-nobody writes (a read that never returns, as on a hung file system) must end at --stall-s as timed out.
-Afterwards no process of the sweep may be left, and a rerun must skip every recorded row. The Slurm
-path: sbatch jobs emitted from train.sbatch, one of them run by bash with test_cluster_launch's stand-ins
-(srun runs its command: torchrun, world 1), then --collect records it and leaves the one not run pending.
+(--launcher fork: the imports once, ~0.5 CPU-s a row), and at world 2 each alone: dp, tp, pp, cp, ep and
+ZeRO-1 must run to the end with their speed, memory and communication per rank. At world 4, a row whose
+model cannot fit the rank's memory cap (--memory-limit-gb 1.5; a 20,000,000-token vocabulary: 2.56 GB a
+matrix, so its first allocation fails) must end as out of memory with its allocator's line; a row whose
+checkpoint folder holds a named pipe nobody writes (a read that never returns, as on a hung file system)
+must end at --stall-s as timed out. Afterwards no process of the sweep may be left, and a rerun must skip
+every recorded row. The Slurm path: sbatch jobs emitted from train.sbatch, one of them run by bash with
+test_cluster_launch's stand-ins (srun runs its command: torchrun, world 1), then --collect records it and
+leaves the one not run pending.
 The planner reads bench_collectives.py's records: each dimension's bytes at its collectives' bus bandwidth.
 """
 import json
@@ -51,6 +52,26 @@ def processes_naming(text: str) -> list:
     return found
 
 
+def swept(argv: list, tmp_path) -> list:
+    """The records of `sweep.py argv`, run as a process of its own, after checking that it ended well and
+    that no process naming tmp_path (a row's rank, a job's launcher) outlived it."""
+    done = subprocess.run([sys.executable, "08_5d_combined/sweep.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not processes_naming(str(tmp_path)), "a process of the sweep outlived it"
+    out = Path(argv[argv.index("--out") + 1])
+    return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+
+
+def assert_ran(record: dict, world: int):
+    """A row that ran its 2 steps: its speed, and memory and communication on every rank."""
+    assert record["outcome"] == "ok" and record["exit"] == 0, record
+    assert record["steps"] == 2 and record["tokens_per_s"] > 0 and record["step_s"] > 0
+    assert len(record["peak_memory"]) == world and all(m > 0 for m in record["peak_memory"])
+    assert len(record["comm_s"]) == world and all(s > 0 for s in record["comm_s"])   # every rank communicated
+    assert record["predicted"]["step_s"] > 0 and record["left_running"] == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cleanup reads /proc (Linux)")
 def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tmp_path, capsys):
     stuck = tmp_path / "stuck" / "step_000001"
@@ -64,17 +85,10 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     argv = ["--world", "4", "--global-batch", "8", "--layouts", *rows, "--out", str(out), "--launcher",
             "fork", "--steps", "2", "--stall-s", "8", "--memory-limit-gb", "1.5", "--gpus-per-node", "4",
             *PLANNER, "--", *MODEL]
-    done = subprocess.run([sys.executable, "08_5d_combined/sweep.py", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert not processes_naming(str(tmp_path)), "a process of the sweep outlived it"
-    records = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    records = swept(argv, tmp_path)
     assert [r["outcome"] for r in records] == ["ok"] * 6 + ["out of memory", "timed out", "out of memory"]
     for r in records[:6]:
-        assert r["steps"] == 2 and r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["exit"] == 0
-        assert len(r["peak_memory"]) == 4 and all(m > 0 for m in r["peak_memory"])
-        assert len(r["comm_s"]) == 4 and all(s > 0 for s in r["comm_s"])      # every rank communicated
-        assert r["predicted"]["step_s"] > 0 and r["left_running"] == 0
+        assert_ran(r, 4)
     assert "can't allocate memory" in records[6]["cause"] and records[6]["exit"] != 0
     assert records[7]["cause"].startswith("no output for 8 s (--stall-s)") and records[7]["exit"] is None
     assert records[8]["cause"].startswith("refused by the memory preflight: ") and "ulimit -d" in \
@@ -92,6 +106,30 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     ok = sorted(records[:6], key=lambda r: -r["tokens_per_s"])
     failed = sorted(records[6:], key=lambda r: r["predicted"]["rank"])
     assert [r["row"] for r in again] == [r["row"] for r in ok + failed]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cleanup reads /proc (Linux)")
+def test_a_sweep_at_world_2_runs_each_parallelism_and_leaves_nothing_running(tmp_path):
+    """Issue 34's world of two: dp, tp, pp, cp, ep and ZeRO-1 each alone over the 2 ranks (global batch 4;
+    pp 2 takes m = 2·pp = 4 micro-batches of 1), forked ranks as at world 4. Every row runs its 2 steps
+    with speed, memory and communication on both ranks, in the order given, its trainer's grid line the
+    layout asked, each with its own predicted rank; the failures' causes are world 4's test (the same code
+    for any world)."""
+    rows = ["dp=2", "tp=2", "pp=2", "cp=2", "dp=2,ep=2 --num-experts 4", "dp=2,zero=1"]
+    argv = ["--world", "2", "--global-batch", "4", "--layouts", *rows, "--out", str(tmp_path / "sweep"),
+            "--launcher", "fork", "--steps", "2", "--stall-s", "60", "--gpus-per-node", "2", *PLANNER, "--",
+            *MODEL]
+    records = swept(argv, tmp_path)
+    grids = ["dp 2, pp 1, cp 1, tp 1, dp-mode naive", "dp 1, pp 1, cp 1, tp 2, dp-mode naive",
+             "dp 1, pp 2, cp 1, tp 1, dp-mode naive", "dp 1, pp 1, cp 2, tp 1, dp-mode naive",
+             "dp 2, pp 1, cp 1, tp 1, ep 2, 4 experts, dp-mode naive", "dp 2, pp 1, cp 1, tp 1, zero-1"]
+    assert len(records) == len(grids)
+    for record, grid in zip(records, grids):
+        assert_ran(record, 2)
+        log = (tmp_path / "sweep" / record["row"] / "output.log").read_text()
+        assert log.startswith(f"grid ({grid}): "), f"{record['row']}: {log[:200]}"   # the trainer's layout
+    assert records[2]["layout"]["mbs"] == 1 and records[2]["layout"]["m"] == 4
+    assert sorted(r["predicted"]["rank"] for r in records) == list(range(1, 7))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun's rendezvous on this host")
