@@ -16,10 +16,13 @@ from pathlib import Path
 import torch
 
 import build
+import checkpoint
 import data
 import hf_io
 import memory
 import model as modeling
+import rank0
+import resume_checks
 import sources
 
 
@@ -178,11 +181,8 @@ def check_inputs(args) -> dict:
 def checkpoint_choice(args) -> dict:
     """--resume: the step, run id and schedule length of the checkpoint to continue; --resume auto in a
     folder without checkpoints: a new run (resume None); no --resume: a folder it may write into."""
-    import cli                 # imported here: cli imports this module
-    import checkpoint
-    import resume_checks
     if args.resume == "auto" and not checkpoint.checkpoint_steps(args.checkpoint_dir):
-        cli.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
+        rank0.print0(f"--resume auto: no checkpoint in {args.checkpoint_dir} yet: a new run, from step 1")
         resume_checks.check_new_run(args.checkpoint_dir, args.overwrite)
         return {"resume": None}
     if not args.resume:
@@ -191,8 +191,8 @@ def checkpoint_choice(args) -> dict:
     world_size, global_batch = int(os.environ.get("WORLD_SIZE", 1)), global_batch_of(args)
     resumed = resume_checks.check_resume(args, args.checkpoint_dir, global_batch, world_size)
     for step, problem in resumed.skipped:
-        cli.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
-                   f"resuming from step {resumed.step}", file=sys.stderr)
+        rank0.print0(f"warning: {args.checkpoint_dir}/step_{step:06d} is unusable ({problem}); "
+                     f"resuming from step {resumed.step}", file=sys.stderr)
     return {"resume_step": resumed.step, "run_id": resumed.run_id, "lr_decay_steps": resumed.lr_decay_steps}
 
 

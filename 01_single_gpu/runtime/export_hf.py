@@ -26,6 +26,7 @@ import cli_checks
 import global_state
 import hf_io
 import model as modeling
+import rank0
 
 
 def read_checkpoint(checkpoint_dir, step=None):
@@ -84,8 +85,8 @@ def export(checkpoint_dir, out, step=None, overwrite: bool = False, max_shard_by
     problems = problems or checkpoint.attempt(checkpoint.publish, scratch, out)
     if problems:
         shutil.rmtree(scratch, ignore_errors=True)
-        cli.fail(f"export_hf.py: error: --out {out}: writing the model failed ({problems[0]}): free space "
-                 f"there or pass another --out; {out} is as it was", status=1)
+        rank0.fail(f"export_hf.py: error: --out {out}: writing the model failed ({problems[0]}): free space "
+                   f"there or pass another --out; {out} is as it was", status=1)
     return step
 
 

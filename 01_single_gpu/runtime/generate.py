@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import cli
 import data
 import export_hf
+import flags
 import hf_io
 import model as modeling
 
@@ -124,7 +125,7 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all)")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole prefix every token")
-    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--seed", type=flags.seed, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
     if (not math.isfinite(args.temperature) or args.temperature < 0 or args.top_k < 0

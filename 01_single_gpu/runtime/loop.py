@@ -33,12 +33,12 @@ import torch.distributed as dist
 
 import build
 import checkpoint
-import cli
 import memory
 import metrics
 import optim
 import plots
 import preemption
+import rank0
 import sampling
 import watchdog
 
@@ -63,7 +63,7 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
         guard.remove()
     log.close()
     if ended.stopped_by == preemption.LOG_FAILED:      # the logging rank's line; the others end quietly
-        cli.fail(log.failure or "", status=1)
+        rank0.fail(log.failure or "", status=1)
     if ended.stopped_by:
         preemption.leave(ended.stopped_by, ended.step, args.checkpoint_dir, run.is_logging_rank)
     report(run, log, start, profiler, ended.activation_peak)
@@ -198,9 +198,9 @@ def save_if_due(run: Run, step: int, stopped_by: int):
                                    args.keep_last, args.overwrite)
     except checkpoint.SaveFailed as problem:
         stop = stopped_by and f"{preemption.name(stopped_by)} received, stopped after step {step + 1}: "
-        cli.fail(f"{stop or ''}--checkpoint-dir {args.checkpoint_dir}: saving step {step + 1} failed "
-                 f"({problem}): free space there or pass another --checkpoint-dir; the checkpoints saved "
-                 f"before it are intact (--resume continues from the last one)", status=1)
+        rank0.fail(f"{stop or ''}--checkpoint-dir {args.checkpoint_dir}: saving step {step + 1} failed "
+                   f"({problem}): free space there or pass another --checkpoint-dir; the checkpoints saved "
+                   f"before it are intact (--resume continues from the last one)", status=1)
 
 
 def report(run: Run, log, start: int, profiler, activation_peak: int):
@@ -246,6 +246,6 @@ def stop_nonfinite(step: int, loss: float, grad_norm, skipping: bool):
     Every rank sees the same global loss and norm, so all stop together, before the step's checkpoint."""
     why = ("its gradients were finite (the norm overflowed), so the step could not be skipped" if skipping
            else "--on-nonfinite stop")
-    cli.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping ({why}). "
-             f"Lower --lr, check the data, resume from the last checkpoint, or pass --on-nonfinite skip",
-             status=1)
+    rank0.fail(f"step {step + 1}: the loss is {loss}, the gradient norm {float(grad_norm)}: stopping "
+               f"({why}). Lower --lr, check the data, resume from the last checkpoint, or pass "
+               f"--on-nonfinite skip", status=1)
