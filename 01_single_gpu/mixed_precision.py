@@ -28,6 +28,7 @@ import torch
 import optim
 
 DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}     # --dtype's that run under autocast
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ def check_precision(args, config=None):
         raise ValueError(f"--loss-scale-init must be a positive finite number, got {args.loss_scale_init}")
     if args.loss_scale_window < 1:
         raise ValueError(f"--loss-scale-window must be at least 1, got {args.loss_scale_window}")
+
+
+def autocast(args, device):
+    """bf16/fp16 autocast for --dtype bfloat16/float16 (bf16 weights too: the softmax, norms and loss then run
+    in fp32, as autocast's fp32 list says), else nothing."""
+    return torch.autocast(device.type, dtype=AUTOCAST.get(args.dtype), enabled=args.dtype in AUTOCAST)
 
 
 def layout_of(args) -> Layout:

@@ -40,7 +40,7 @@ def train_step(model, optimizer, micro_batches, args):
     """One optimizer step on one device; returns (the global batch's mean loss, the gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                              # x, y: (mbs, T)
             micro_loss = model(x, labels=y) / len(micro_batches)   # the mean over the global batch
             # the gradients accumulate in .grad (bf16-20: in fp32 buffers); fp16: backward of S·loss

@@ -41,7 +41,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
     """01's step, with the gradients averaged over the dp ranks; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
                 micro_loss = model(x, labels=y) / len(micro_batches)

@@ -46,7 +46,7 @@ def train_step(model, optimizer, micro_batches, zero, offload, grid, args):
     optimizer.zero_grad(set_to_none=True)
     zero.zero_gradients()                                       # stage 1: .grad views of flat buffers
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                              # x, y: (mbs, T), this dp rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)
             # stages 2-3: each unit is reduce-scattered as its gradients complete

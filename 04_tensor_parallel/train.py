@@ -42,7 +42,7 @@ def train_step(model, optimizer, micro_batches, ddp, grid, args):
     """02's step on the tensor-parallel model; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
                 # f / f̄ all-reduce over tp inside every block, forward and backward (print(model) shows them)

@@ -51,7 +51,7 @@ def train_step(model, optimizer, micro_batches, ddp, norm_weights, grid, args):
     layout = context_parallel.CPLayout(args.cp_layout, grid.cp_size)
     positions = layout.positions(grid.cp_rank, args.seq_len, micro_batches[0][0].device)   # (T/cp,)
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for i, (x, y) in enumerate(micro_batches):              # x, y: (mbs, T), this dp rank's rows
             with ddp.no_sync(enabled=i < len(micro_batches) - 1):   # only the last backward communicates
                 # SP's g / ḡ and the ring's K/V hops run inside forward and backward

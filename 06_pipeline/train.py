@@ -46,7 +46,7 @@ import timeline
 def train_step(pipe, optimizer, micro_batches, grid, args):
     """02's step with the micro-batches run as a pipeline schedule; returns (global loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         # F, B (, W) of every micro-batch in the schedule's order; p2p between the stages inside
         loss = schedules.SCHEDULE_STEPS[args.pp_schedule](pipe, micro_batches)
     grad_owners = optimizer.unscale_gradients()                 # fp16: ÷ S; bf16-20: the fp32 masters
@@ -61,7 +61,7 @@ def train_step(pipe, optimizer, micro_batches, grid, args):
 
 def eval_step(pipe, micro_batches, grid, args):
     """A held-out global batch's loss: the forward passes only, then the last stage's loss to every rank."""
-    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+    with torch.no_grad(), mixed_precision.autocast(args, micro_batches[0][0].device):
         loss = schedules.forward_only(pipe, micro_batches)
     return pipeline.broadcast_loss(loss, micro_batches[0][0].device, grid.pp_ranks[pipe.loss_rank],
                                    grid.pp_group, grid.dp_group, grid.dp_size)

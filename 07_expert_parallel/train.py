@@ -50,7 +50,7 @@ def train_step(model, optimizer, micro_batches, dense, experts, grid, args, drop
     over capacity to `dropped`."""
     optimizer.zero_grad(set_to_none=True)
     loss = 0.0
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         for x, y in micro_batches:                              # x, y: (mbs, T), this dp rank's rows
             micro_loss = model(x, labels=y) / len(micro_batches)   # cross-entropy + α·Σ aux + β·Σ z-loss
             dropped.append(moe.dropped_rows(model))             # before backward: a recompute repeats forward

@@ -41,6 +41,7 @@ import cli
 import loop
 import memory
 import metrics
+import mixed_precision
 import process_grid
 import comm
 import sequence_parallel
@@ -59,7 +60,7 @@ def train_step(pipe, optimizer, micro_batches, sync, grid, args):
     optimizer.zero_grad(set_to_none=True)
     sync.zero_gradients()                                       # ZeRO-1: .grad views of the flat buffers
     positions = pipe.stages[0].position_ids                     # (T/cp,) this rank's tokens (05)
-    with build.autocast(args, micro_batches[0][0].device):
+    with mixed_precision.autocast(args, micro_batches[0][0].device):
         # F, B (, W) of every micro-batch in the schedule's order; p2p between the stages inside
         # TP/SP/CP/EP run inside the passes; ZeRO-3 gathers a chunk before its first F
         # DP overlap/bucket and ZeRO-2/3 reduce in a chunk's last B or W (gradient_sync.py)
@@ -80,7 +81,7 @@ def eval_step(pipe, micro_batches, grid, args):
     """A held-out global batch's loss: 06's forward passes on this rank's tokens, reduced as train_step's."""
     positions = pipe.stages[0].position_ids          # (T/cp,)
     device = micro_batches[0][0].device
-    with torch.no_grad(), build.autocast(args, device):
+    with torch.no_grad(), mixed_precision.autocast(args, device):
         loss = schedules.forward_only(pipe, [(x[:, positions], y[:, positions]) for x, y in micro_batches])
     pipe.grad_sync.release()                         # ZeRO-3: the units its forwards gathered
     return global_loss(loss, device, pipe, grid, args)

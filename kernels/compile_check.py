@@ -3,8 +3,7 @@
 Triton compiles ahead of time for a GPU it has not got: `triton.compile` with a `GPUTarget` lowers each
 launch to PTX, and the ptxas its wheel ships turns that into a cubin, reporting (-v) the registers a
 thread uses and the bytes it spills to local memory. A spill is a load and a store to memory per use
-where a register would do; a block needing more shared memory than the GPU has cannot launch at all
-(autotune then skips the config, after paying for its compile).
+where a register would do; a block needing more shared memory than the GPU has cannot launch.
 
 The launches are the code's own, recorded, not written down twice: each workload runs the kernels' Python
 wrappers with Triton's launch replaced by a recorder, and an autotuned launch counts once for every
@@ -51,6 +50,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import cli
+import mixed_precision
 
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}    # bytes a block may use: H100, A100 (CUDA's tuning guides)
 # Launches whose tiles the caller chose (flash_attention(block_m=..., block_n=...)): the tests' small ones
@@ -121,7 +121,7 @@ def train_workload(launches):
         finally:
             patch._check_triton_can_run = check
         ids = torch.randint(0, config.vocab_size, (args.mbs, args.seq_len + 1))
-        with recording(f"train {shape} {layout}", launches), build.autocast(args, torch.device("cpu")):
+        with recording(f"train {shape} {layout}", launches), mixed_precision.autocast(args, ids.device):
             loss = model(ids[:, :-1], labels=ids[:, 1:])
             loss.backward()
 

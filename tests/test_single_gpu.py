@@ -164,6 +164,51 @@ def test_loss_falls_on_default_corpus():
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
 
 
+def files_called_from(functions, run) -> dict:
+    """{file: names of its functions} of the repository's code that `functions` (code objects) call
+    directly, torch's own frames in between skipped (a module's __call__ reaches its forward), in `run()`."""
+    import os
+    import sys
+    root, called = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), {}
+
+    def own(frame):
+        return frame.f_code.co_filename.startswith(root) and "/tests/" not in frame.f_code.co_filename
+
+    def on_call(frame, event, arg):
+        if event != "call" or not own(frame):
+            return
+        caller = frame.f_back
+        while caller is not None and not own(caller):
+            caller = caller.f_back
+        if caller is not None and caller.f_code in functions:
+            name = os.path.relpath(frame.f_code.co_filename, root)
+            called.setdefault(name, set()).add(frame.f_code.co_name)
+    sys.setprofile(on_call)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def test_one_step_and_its_loop_read_through_six_files(tmp_path):
+    """A student follows one step and the loop around it through six files: what loop.train and 01's
+    train_step call (a checkpoint saved, so the save is in it) lies in train.py, loop.py, model.py, optim.py,
+    mixed_precision.py and metrics.py. The rest (RoPE, the sampler, the checkpoint writer, the stop request,
+    the watchdog, the activation meter) is one call further, behind a name in one of them. Autograd calls
+    the meter's saved-tensor hooks back during the first step's backward: not a call a student follows."""
+    import loop
+    functions = {loop.train.__code__, train.train_step.__code__}
+    called = files_called_from(functions, lambda: common.single_device_run(
+        "--checkpoint-dir", tmp_path / "ckpt", steps=2))
+    assert called.pop("01_single_gpu/memory.py") <= {"<lambda>", "__del__"}    # the hooks' unpack, release
+    assert set(called) == {"01_single_gpu/train.py", "01_single_gpu/runtime/loop.py",
+                           "01_single_gpu/model.py", "01_single_gpu/optim.py",
+                           "01_single_gpu/mixed_precision.py", "01_single_gpu/metrics.py"}, called
+    assert {"save_if_due", "batches", "stop_agreed"} <= called["01_single_gpu/runtime/loop.py"]
+    assert {"lr_at", "set_lr", "clip_grad_norm"} <= called["01_single_gpu/optim.py"]
+
+
 def test_micro_batches_equal_one_batch():
     """--mbs 4 == --mbs 2 --grad-acc 2: accumulation averages gradients, so only rounding differs
     (float64 to make the comparison tight: 1e-12)."""

@@ -19,9 +19,6 @@ import materialize as materialize_mod
 import model as modeling
 import mixed_precision
 
-AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def device_of(args):
     if args.device == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,13 +78,9 @@ def param_dtype(args):
 
 def activation_element_bytes(args) -> int:
     """Bytes per activation element: 2 under bf16/fp16 autocast, else the parameters' dtype's."""
-    return 2 if args.dtype in AUTOCAST else torch.empty(0, dtype=param_dtype(args)).element_size()
-
-
-def autocast(args, device):
-    """bf16/fp16 autocast for --dtype bfloat16/float16 (bf16 weights too: the softmax, norms and loss then run
-    in fp32, as autocast's fp32 list says), else nothing."""
-    return torch.autocast(device.type, dtype=AUTOCAST.get(args.dtype), enabled=args.dtype in AUTOCAST)
+    if args.dtype in mixed_precision.AUTOCAST:
+        return 2
+    return torch.empty(0, dtype=param_dtype(args)).element_size()
 
 
 def build_model(args, config):

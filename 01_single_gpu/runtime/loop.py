@@ -1,32 +1,22 @@
 """The loop every trainer runs around its own `train_step` (plumbing, not a technique).
 
-`train` calls its phases in order: `Run` (this rank's place and batches), `resume`, `step_log`, `run_steps`
-(each step: `one_step`, then `save_if_due`), `report`. What they do:
-
-    for step in range(start, --steps):
-        set the learning rate                                   optim.lr_at
-        this rank's micro-batches of the step's global batch    sampling.GlobalBatchSampler
-        loss, grad_norm = train_step(micro_batches)             the folder's step: what the devices run
-        a NaN/inf loss or norm stops the run (or was skipped)   --on-nonfinite, optim.SkipNonFinite,
-                                                                fp16's loss scaler (mixed_precision.py)
-        every --eval-every steps, eval_step(held-out batches)    sampling.split_held_out, the trainer's step
-        log the step; checkpoint every --checkpoint-every       metrics.StepLog, checkpoint.py
-        --profile DIR: the profiler's schedule advances         metrics.profiler
-        a SIGTERM/SIGUSR1 on any rank: save this step, exit 75  preemption.py (all ranks agree, one scalar)
-    --plot: the loss curve and every rank's measured memory     plots.py
+`train` is the loop itself, at one level: for each step, its learning rate (optim.lr_at), this rank's
+micro-batches of the step's global batch (sampling.GlobalBatchSampler), `train_step`, the log line
+(metrics.StepLog, the eval loss every --eval-every steps), the checkpoint when due (checkpoint.py).
+What watches over the steps is one call away, in `Supervision`: a NaN/inf loss or norm stops the run
+or was skipped (--on-nonfinite, optim.SkipNonFinite, fp16's loss scaler); a SIGTERM/SIGUSR1 on any rank
+saves that step on every rank and exits 75 (preemption.py: all ranks agree, one scalar); the watchdog
+(watchdog.py); the profiler's schedule (--profile); the first step's measured activation memory.
+After the last step, `report`: the profile's place, --plot's pictures, the final loss.
 
 Each `NN_*/train.py` defines `train_step` and hands it here, so its step reads top to bottom in its own
 file and nothing else differs between folders. `--resume` first restores the checkpoint `cli.parse_args`
-chose and checked (the newest usable one of the same run and layout). The first step of a run is
-measured: the peak of what autograd saved for backward is the rank's activation memory
-(memory.saved_activation_bytes). With several ranks a watchdog ends a rank whose step has not finished
-for --timeout-s seconds (a stalled peer: watchdog.py). Evaluation reads the held-out windows through the
-same sampler and the trainer's `eval_step` (forward only, the global batch's mean loss), so every layout
-evaluates the same batches and logs the same eval loss.
+chose and checked (the newest usable one of the same run and layout). Evaluation reads the held-out
+windows through the same sampler and the trainer's `eval_step` (forward only, the global batch's mean
+loss), so every layout evaluates the same batches and logs the same eval loss.
 """
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,6 +25,7 @@ import build
 import checkpoint
 import memory
 import metrics
+import mixed_precision
 import optim
 import plots
 import preemption
@@ -50,23 +41,32 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     `model` is what this rank checkpoints (its shards, its stages), `grid` (02's ProcessGrid, None on one
     device) says which rows of each global batch this rank reads (its dp coordinate) and who logs, and
     `layout` (the parallel degrees) is saved with checkpoints and checked on --resume. `flops_per_token`
-    is the model's (MFU); --recompute's extra forward is added here (HFU).
-    `eval_step(micro_batches) -> global mean loss` runs forward only (--eval-every). Returns the records.
+    is the model's (MFU). `eval_step(micro_batches) -> global mean loss`: forward only (--eval-every).
     """
     run = Run(args, model, optimizer, dataset, grid, layout or {}, eval_step)
-    start = resume(run)
+    start = resume(run)                                       # --resume: the checkpoint's step, else 0
     log = step_log(run, start, flops_per_token)
-    guard = optim.SkipNonFinite(optimizer, run.device) if args.on_nonfinite == "skip" else None
-    profiler = metrics.profiler(args.profile, run.device, run.rank)
-    ended = run_steps(run, train_step, start, log, guard, profiler)
-    if guard:
-        guard.remove()
+    with Supervision(run, start, log) as watch:    # stop signals, watchdog, profiler, NaN guard, meter
+        for step in range(start, args.steps):
+            lr = optim.lr_at(step, args)                      # linear warm-up, then cosine decay
+            optim.set_lr(optimizer, lr)
+            micro_batches = run.batches(run.sampler, step)    # grad_acc × (x, y), (mbs, T) each
+            log.start_step()
+            with watch.measuring(step):                       # the first step: activation memory
+                loss, grad_norm = train_step(micro_batches)
+            log.end_step(step, loss, lr, grad_norm, watch.skipped(), getattr(optimizer, "log_fields", dict)(),
+                         run.evaluate if run.eval_due(step) else None)
+            watch.check_finite(step, loss, grad_norm)        # NaN/inf: the run stops, or the step was skipped
+            stopped_by = watch.stop_agreed(step)             # SIGTERM/SIGUSR1 on any rank, agreed by all
+            if stopped_by == preemption.LOG_FAILED:
+                break                   # the step is not saved: --resume runs it, and logs it, again
+            save_if_due(run, step, stopped_by)               # every --checkpoint-every, the last, a stop
+            watch.step_ended(step)                           # the watchdog's beat, the profiler's clock
+            if stopped_by:
+                break
     log.close()
-    if ended.stopped_by == preemption.LOG_FAILED:      # the logging rank's line; the others end quietly
-        rank0.fail(log.failure or "", status=1)
-    if ended.stopped_by:
-        preemption.leave(ended.stopped_by, ended.step, args.checkpoint_dir, run.is_logging_rank)
-    report(run, log, start, profiler, ended.activation_peak)
+    watch.leave(run)                                         # exit 75 after a stop, 1 if the log failed
+    report(run, log, start, watch.profiler, watch.activation_peak)
     return log.records
 
 
@@ -91,17 +91,15 @@ class Run:
         return [tuple(t.to(self.device) for t in of.micro_batch(step, m, self.dp_rank))
                 for m in range(self.args.grad_acc)]
 
+    def eval_due(self, step: int) -> bool:
+        """--eval-every N: after every N-th step and after the last."""
+        every = self.args.eval_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == self.args.steps)
+
     def evaluate(self) -> float:
         """The mean loss over the held-out global batches, the same in every layout."""
         count = self.args.eval_batches
         return sum(self.eval_step(self.batches(self.eval_sampler, k)) for k in range(count)) / count
-
-
-@dataclass
-class Ended:
-    step: int                 # the optimizer steps done
-    stopped_by: int           # the signal that stopped the run before --steps, else 0 (preemption.py)
-    activation_peak: int      # bytes autograd saved for backward in the run's first step (0: no step ran)
 
 
 def resume(run: Run) -> int:
@@ -130,59 +128,87 @@ def step_log(run: Run, start: int, flops_per_token: int):
                            run.device, run.is_logging_rank, hardware_flops_per_token * tokens_per_step)
 
 
-def run_steps(run: Run, train_step, start: int, log, guard, profiler) -> Ended:
-    """Steps start..--steps under the watchdog (several ranks), the profiler and the stop request: each
-    trains and logs (`one_step`), checkpoints when due, and the run ends early on an agreed signal."""
-    args, stopped_by, activation_peak, step = run.args, 0, 0, start - 1
-    params = [p for p in run.model.parameters() if p.requires_grad]
-    with preemption.StopRequest(run.device, run.several) as stop, profiler or contextlib.nullcontext(), \
-            watchdog.Watchdog(args.timeout_s, run.rank, stop.hang_up) if run.several else \
-            contextlib.nullcontext() as dog:
-        for step in range(start, args.steps):
-            # The run's first step follows what autograd saves for backward: its peak is the measured
-            # activation memory (the setup table shows Korthikanti's estimate).
-            meter = memory.saved_activation_bytes(exclude=params) if step == start else None
-            one_step(run, train_step, step, log, guard, meter)
-            activation_peak = meter.peak if meter else activation_peak
-            stopped_by = stop.agreed(log.failure is not None)            # a collective at every step's end
-            if stopped_by == preemption.LOG_FAILED:
-                break                   # the step is not saved: --resume runs it, and logs it, again
-            stopped_by = stopped_by if step + 1 < args.steps else 0     # the last step ends the run anyway
-            save_if_due(run, step, stopped_by)
-            if dog:
-                dog.beat(f"step {step + 1} ended")
-            if profiler:
-                profiler.step()         # the schedule's clock: wait 1, warm up 1, record 3 (metrics.profiler)
-            if stopped_by:
-                break
-    return Ended(step + 1, stopped_by, activation_peak)
+class Supervision:
+    """What watches the steps, one call away from `train`: the stop request (preemption.py: a signal on
+    any rank stops every rank after the same step), the watchdog (several ranks: a step that never ends),
+    --profile's schedule, --on-nonfinite skip's guard, and the first step's activation meter."""
 
+    def __init__(self, run: Run, start: int, log):
+        self.run, self.start, self.log = run, start, log
+        skip = run.args.on_nonfinite == "skip"
+        self.guard = optim.SkipNonFinite(run.optimizer, run.device) if skip else None
+        self.profiler = metrics.profiler(run.args.profile, run.device, run.rank)
+        self.stopped_by, self.step, self.activation_peak, self.meter = 0, start, 0, None
+        self.contexts = contextlib.ExitStack()
 
-def one_step(run: Run, train_step, step: int, log, guard, meter):
-    """Step `step`: its learning rate and batches, `train_step` (under `meter`, if any), the log line (and
-    the eval loss when due), then a non-finite loss or norm stops the run or is reported as skipped."""
-    args, optimizer = run.args, run.optimizer
-    log.start_step()
-    lr = optim.lr_at(step, args)
-    optim.set_lr(optimizer, lr)
-    micro_batches = run.batches(run.sampler, step)                   # grad_acc × (x, y), (mbs, T) each
-    with meter or contextlib.nullcontext():
-        loss, grad_norm = train_step(micro_batches)
-    scaler_skipped = getattr(optimizer, "skipped", False)      # an fp16 overflow (mixed_precision.py)
-    skipped = (guard is not None and guard.skipped) or scaler_skipped
-    due = args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
-    log.end_step(step, loss, lr, grad_norm, skipped, getattr(optimizer, "log_fields", dict)(),
-                 run.evaluate if due else None)
-    if not (skipped or finite(loss, grad_norm)):
-        log.close()
-        stop_nonfinite(step, loss, grad_norm, guard is not None)
-    if skipped:
-        why = "fp16 overflow: the loss scale halves" if scaler_skipped else "--on-nonfinite skip"
-        log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
-                  f"({why}; parameters and optimizer state unchanged)")
-    if meter:
-        log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
-                  f"{meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+    def __enter__(self):
+        run = self.run
+        self.stop = self.contexts.enter_context(preemption.StopRequest(run.device, run.several))
+        if self.profiler:
+            self.contexts.enter_context(self.profiler)
+        self.dog = self.contexts.enter_context(watchdog.Watchdog(run.args.timeout_s, run.rank,
+                                                                 self.stop.hang_up)) if run.several else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.guard:
+            self.guard.remove()
+        return self.contexts.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def measuring(self, step: int):
+        """The run's first step follows what autograd saves for backward: its peak is the measured
+        activation memory (the setup table shows Korthikanti's estimate)."""
+        if step != self.start:
+            yield
+            return
+        params = [p for p in self.run.model.parameters() if p.requires_grad]
+        with memory.saved_activation_bytes(exclude=params) as self.meter:
+            yield
+
+    def skipped(self) -> bool:
+        """The step changed nothing: --on-nonfinite skip's guard, or an fp16 overflow (mixed_precision.py)."""
+        return (self.guard is not None and self.guard.skipped) or self.scaler_skipped()
+
+    def scaler_skipped(self) -> bool:
+        return getattr(self.run.optimizer, "skipped", False)
+
+    def check_finite(self, step: int, loss: float, grad_norm):
+        """A NaN/inf loss or norm that was not skipped stops the run; a skip, and step 1's meter, say so."""
+        if not (self.skipped() or finite(loss, grad_norm)):
+            self.log.close()
+            stop_nonfinite(step, loss, grad_norm, self.guard is not None)
+        if self.skipped():
+            why = "fp16 overflow: the loss scale halves" if self.scaler_skipped() else "--on-nonfinite skip"
+            self.log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
+                           f"({why}; parameters and optimizer state unchanged)")
+        if self.meter and step == self.start:
+            self.activation_peak = self.meter.peak
+            self.log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
+                           f"{self.meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+
+    def stop_agreed(self, step: int) -> int:
+        """The signal every rank agrees stopped the run after `step` (a collective), else 0; the last step
+        ends the run anyway. preemption.LOG_FAILED: the logging rank could not write its log."""
+        self.step = step + 1
+        stopped_by = self.stop.agreed(self.log.failure is not None)
+        if stopped_by != preemption.LOG_FAILED and step + 1 == self.run.args.steps:
+            stopped_by = 0
+        self.stopped_by = stopped_by
+        return stopped_by
+
+    def step_ended(self, step: int):
+        if self.dog:
+            self.dog.beat(f"step {step + 1} ended")
+        if self.profiler:
+            self.profiler.step()        # the schedule's clock: wait 1, warm up 1, record 3 (metrics.profiler)
+
+    def leave(self, run: Run):
+        """After a stop: exit 1 where the log failed (its line), else the stop's save is done: exit 75."""
+        if self.stopped_by == preemption.LOG_FAILED:      # the logging rank's line; the others end quietly
+            rank0.fail(self.log.failure or "", status=1)
+        if self.stopped_by:
+            preemption.leave(self.stopped_by, self.step, run.args.checkpoint_dir, run.is_logging_rank)
 
 
 def save_if_due(run: Run, step: int, stopped_by: int):
@@ -223,7 +249,7 @@ def report(run: Run, log, start: int, profiler, activation_peak: int):
 def mean_loss(model, micro_batches, args, positions=None) -> torch.Tensor:
     """Forward only: this rank's mean loss over its micro-batches (the local part of every eval_step).
     `positions` (T/cp,): context parallelism's tokens of each sequence (05)."""
-    with torch.no_grad(), build.autocast(args, micro_batches[0][0].device):
+    with torch.no_grad(), mixed_precision.autocast(args, micro_batches[0][0].device):
         if positions is None:
             return sum(model(x, labels=y) for x, y in micro_batches) / len(micro_batches)
         return sum(model(x[:, positions], labels=y[:, positions], position_ids=positions)   # (mbs, T/cp)
