@@ -264,6 +264,11 @@ CASES = [
     ("08-offload", "08", ["--offload", "optimizer"], "run 03_zero/train.py --offload optimizer", {}),
     ("resume-other-vocab", "01", ["--resume", "--checkpoint-dir", "{ckpt}", "--vocab-size", "384"],
      "--vocab-size 384 differs from the checkpoint's 320", {}),
+    # an unset --vocab-size is the tokenizer's vocabulary (257 bytes, rounded up to 320), not None
+    ("resume-unset-vocab", "01", ["--resume", "--checkpoint-dir", "{ckpt_synthetic}", "--dataset",
+                                  "synthetic"],
+     "the model's vocabulary would be 320 (--vocab-size unset: the tokenizer's 257 ids rounded up to a "
+     "multiple of 64), the checkpoint's is 128", {}),
     ("init-from-gpt2", "01", ["--init-from", "{hf_gpt2}"],
      "it describes a gpt2 model, not a Llama: pass a Llama's folder", {}),
     ("init-from-head-dim", "01", ["--init-from", "{hf_head_dim}"],
@@ -373,6 +378,9 @@ ACCEPTED = [
                                                                        "synthetic"]),
     ("08-odd-seq-len", "08_5d_combined/train.py", BASE + ["--seq-len", "33", "--dataset", "synthetic"]),
     ("planner-odd-seq-len", PLANNER, ["--seq-len", "33"]),
+    # saved with --vocab-size 320, the tokenizer's own: resumed without the flag, the model is the same
+    ("resume-unset-vocab-the-same", "01_single_gpu/train.py",
+     BASE + ["--resume", "--checkpoint-dir", "{ckpt_vocab_320}", "--steps", "2"]),
 ]
 # The GPU-only tools on a machine without a GPU: one line naming what to run instead, exit status 1. (With
 # a GPU visible they would run: the cases are then left out.)
@@ -447,6 +455,9 @@ def materials(tmp_path_factory, request):
     m["ckpt_synthetic"] = root / "ckpt_synthetic"        # random ids below 128: no tokenizer's vocabulary
     common.single_device_run("--checkpoint-dir", m["ckpt_synthetic"], "--dataset", "synthetic",
                              "--vocab-size", 128, "--hidden-size", 32, "--num-layers", 2, steps=1, mbs=2)
+    m["ckpt_vocab_320"] = root / "ckpt_vocab_320"        # the tokenizer's vocabulary, given explicitly
+    common.single_device_run("--checkpoint-dir", m["ckpt_vocab_320"], "--vocab-size", 320,
+                             "--hidden-size", 32, "--num-layers", 2, steps=1, mbs=2)
     m["ckpt_experts"] = root / "ckpt_experts"                    # a real 07 checkpoint: 4 experts per layer
     __import__("importlib").import_module("07_expert_parallel.train").main(common.argv(
         "--checkpoint-dir", m["ckpt_experts"], "--hidden-size", 32, "--num-layers", 2, steps=2, mbs=2))
@@ -547,7 +558,10 @@ def results(materials):
     tools = TOOL_CASES + ([] if __import__("torch").cuda.is_available() else GPU_ONLY_CASES)
     runs += [{"script": str(ROOT / c[1]), "argv": [a.format(**materials) for a in c[2]], "env": c[4]}
              for c in tools]
-    runs += [{"script": str(ROOT / script), "argv": argv + ["--steps", "1"] * (script != PLANNER), "env": {}}
+    # 1 step, unless the case ends with its own --steps
+    runs += [{"script": str(ROOT / script), "env": {},
+              "argv": [a.format(**materials) for a in argv] + ["--steps", "1"] * (script != PLANNER
+                                                                                   and argv[-2] != "--steps")}
              for _, script, argv in ACCEPTED]
     runs += [{"script": str(ROOT / FOLDERS[c[1]] / "train.py"), "argv": ["--steps", "2", *c[2]],   # a preset
               "env": {}, "memory_limit": MEMORY_LIMIT} for c in CANNOT_FIT]

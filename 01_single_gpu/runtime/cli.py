@@ -141,7 +141,7 @@ def model_config(args, tokenizer_vocab: int):
     if args.init_from:
         config = hf_io.config_from_hf(args.init_from, modeling.LlamaConfig)
     else:
-        vocab = args.vocab_size or -(-tokenizer_vocab // 64) * 64
+        vocab = args.vocab_size or flags.default_vocab_size(tokenizer_vocab)
         rope = {k: v for k, v in flags.PRESETS[args.preset].items() if k in flags.ROPE}
         config = modeling.LlamaConfig(
             vocab_size=vocab, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,

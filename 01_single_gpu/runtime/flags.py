@@ -27,6 +27,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
           "float16": torch.float16}
 
 
+def default_vocab_size(tokenizer_vocab: int) -> int:
+    """An unset --vocab-size (and no preset's): the tokenizer's vocabulary rounded up to a multiple of 64,
+    so it divides by any tp and its matmuls tile."""
+    return -(-tokenizer_vocab // 64) * 64
+
+
 def seed(text: str) -> int:
     """--seed's type: 32 bits, as torch's generators and the samplers' seed·stride + index arithmetic take."""
     value = int(text)

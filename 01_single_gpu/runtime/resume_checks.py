@@ -14,6 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import checkpoint
+import data
+import flags
 
 
 # What makes a run the run it is may not change under --resume: every flag but these, which are free (the
@@ -43,9 +45,10 @@ def check_resume(args, directory, global_batch: int, world_size: int) -> checkpo
     saved = dict(manifest["args"])
     saved["lr_decay_steps"] = saved.get("lr_decay_steps") or saved["steps"]
     mine = {**vars(args), "lr_decay_steps": args.lr_decay_steps or saved["lr_decay_steps"]}
-    # the vocabulary the model has: an unset --vocab-size was the tokenizer's (compared as --tokenizer)
-    saved["vocab_size"] = manifest["config"]["vocab_size"]
-    if args.vocab_size is None and manifest["args"].get("vocab_size") is None:
+    saved["vocab_size"] = manifest["config"]["vocab_size"]          # the vocabulary the model has
+    if args.vocab_size is None:            # unset: the tokenizer's vocabulary (--init-from: its config's)
+        if manifest["args"].get("vocab_size") is not None and not args.init_from:
+            check_default_vocab(args.tokenizer, saved["vocab_size"], where)
         mine["vocab_size"] = saved["vocab_size"]
     for name in sorted(mine.keys() & saved.keys() - FREE_FLAGS):
         if mine[name] != saved[name]:
@@ -65,6 +68,16 @@ def check_resume(args, directory, global_batch: int, world_size: int) -> checkpo
                          f"checkpoint's {manifest['global_batch']} (dp·mbs·grad_acc) (in {where}): resume "
                          f"with the checkpoint's, or start a new run in another --checkpoint-dir")
     return replace(resume, lr_decay_steps=mine["lr_decay_steps"])
+
+
+def check_default_vocab(tokenizer: str, saved: int, where: str):
+    """An unset --vocab-size makes the model's vocabulary the tokenizer's (flags.default_vocab_size): the
+    checkpoint's, or a ValueError naming the --vocab-size to pass (--tokenizer is compared as a flag)."""
+    tokens = data.load_tokenizer(tokenizer).vocab_size
+    if flags.default_vocab_size(tokens) != saved:
+        raise ValueError(f"--resume: the model's vocabulary would be {flags.default_vocab_size(tokens)} "
+                         f"(--vocab-size unset: the tokenizer's {tokens} ids rounded up to a multiple of "
+                         f"64), the checkpoint's is {saved} (in {where}): pass --vocab-size {saved}")
 
 
 def check_new_run(directory, overwrite: bool):
