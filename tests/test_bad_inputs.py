@@ -708,6 +708,23 @@ def full_disk_limit(case, mounted: bool):
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.RLIM_INFINITY))
 
 
+def rank_1_checks_after_rank_0(check_inputs, folder: Path, seconds: float = 60.0):
+    """cli_checks.check_inputs, run on rank 1 only once rank 0's has returned. The scratch folder's case
+    leaves the disk one inode, and each rank's startup check takes it for a moment (check_output_folder
+    makes a folder there for real): two ranks checking at once, one finds none and refuses while the other
+    waits for it in the process group (torchrun would stop that one; the harness has no launcher)."""
+    done = folder / "rank0.checked"
+
+    def checked(args):
+        deadline = time.monotonic() + seconds
+        while os.environ["RANK"] != "0" and not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        values = check_inputs(args)
+        done.touch()
+        return values
+    return checked
+
+
 def _full_disk_run(case, places, world):
     """On each rank: the case's run (01, or 02 at dp 2) with SIGTERM in step 3 for preemption-save; returns
     (exit status, what it wrote on stderr)."""
@@ -721,12 +738,17 @@ def _full_disk_run(case, places, world):
     saved, limit = (os.dup(1), os.dup(2)), resource.getrlimit(resource.RLIMIT_FSIZE)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    import cli_checks
+    check_inputs = cli_checks.check_inputs
+    if world > 1 and where["mounted"] and case[0] == "checkpoint-scratch-no-inode":
+        cli_checks.check_inputs = rank_1_checks_after_rank_0(check_inputs, Path(where["folder"]))
     try:
         full_disk_limit(case, where["mounted"])
         stop = signal_in_step(3, signal.SIGTERM) if case[0] == "preemption-save" else contextlib.nullcontext()
         with stop:
             code = exit_status(import_module(f"{trainer}.train").main, argv)
     finally:
+        cli_checks.check_inputs = check_inputs
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         sys.stdout.flush()
         sys.stderr.flush()
