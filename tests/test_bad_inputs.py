@@ -284,6 +284,7 @@ NEEDS_CPU = {"kernels-triton-on-cpu", "attn-triton-on-cpu", "compile-triton-inte
 GENERATE, EXPORT, PLANNER = ("01_single_gpu/runtime/generate.py", "01_single_gpu/runtime/export_hf.py",
                              "08_5d_combined/planner.py")
 EXERCISES, STEP_DIFF, WORKED_OUTPUTS = "tests/exercises.py", "tests/step_diff.py", "tests/worked_outputs.py"
+TIMINGS = "tests/timings.py"
 TOOL_CASES = [
     ("generate-temperature-nan", GENERATE,
      ["--checkpoint-dir", "{ckpt}", "--prompt", "x", "--temperature", "nan"],
@@ -323,7 +324,7 @@ TOOL_CASES = [
                                         "--mem-reserve", "nan"], "--mem-reserve must be 0 or more GB", {}),
     ("search-mfu-nan", PLANNER, ["--search", "--gpus", "8", "--global-batch-tokens", "4096", "--mfu", "nan"],
      "--mfu must be in (0, 1]", {}),
-    # the maintainers' tools (tests/): exercises, the step blocks, the worked outputs
+    # the maintainers' tools (tests/): exercises, the step blocks, the worked outputs, the timings
     ("exercises-check-unknown-id", EXERCISES, ["check", "--only", "99.9"],
      "exercises.py: error: no exercise 99.9 (python tests/exercises.py list shows them)", {}),
     ("exercises-make-onto-a-file", EXERCISES, ["make", "{file}"],
@@ -345,6 +346,11 @@ TOOL_CASES = [
      "worked_outputs.py: error: no folder '4': name one of 01 .. 08 (04 for 04_tensor_parallel)", {}),
     ("worked-outputs-unknown-command", WORKED_OUTPUTS, ["chek"],
      "worked_outputs.py: error: no command 'chek': use list, check or write (did you mean check?)", {}),
+    ("timings-quick-with-a-command", TIMINGS, ["quick", "--", "ls"],
+     "timings.py: error: run takes --name NAME and a command after --", {}),
+    ("timings-results-a-file", TIMINGS, ["suite", "--results", "{file}"], "is a file: pass a folder", {}),
+    ("timings-fresh-clone-of-quick", TIMINGS, ["quick", "--fresh-clone"],
+     "--fresh-clone times the suite only: pass `suite --fresh-clone`", {}),
     ("compile-check-jobs-0", "kernels/compile_check.py", ["--jobs", "0"], "--jobs must be at least 1", {}),
     ("compile-check-interpreter", "kernels/compile_check.py", [], "this compiles for a GPU; unset it",
      {"TRITON_INTERPRET": "1"}),
