@@ -123,9 +123,9 @@ def ring_all_reduce(tensor, group=None):
     """Sum `tensor` over the ranks in place with 2(N−1) neighbour exchanges; returns elements sent.
 
     The tensor is cut into N chunks (sizes differ by one when N does not divide K). Rank r sends to
-    r+1 and receives from r−1. Reduce-scatter phase, step s: send chunk (r−s) mod N, add the received
-    chunk (r−s−1) mod N; after N−1 steps rank r holds the full sum of chunk (r+1) mod N. All-gather
-    phase, step s: send chunk (r+1−s) mod N, overwrite chunk (r−s) mod N with the received one.
+    r+1 and receives from r−1; after the N−1 reduce-scatter steps it holds the full sum of chunk (r+1) mod N.
+        reduce-scatter step s: send chunk (r−s) mod N, add the received chunk (r−s−1) mod N
+        all-gather step s:     send chunk (r+1−s) mod N, overwrite chunk (r−s) mod N with the received one
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunks = list(torch.tensor_split(tensor.view(-1), size))        # N views of (≈K/N,)
@@ -144,10 +144,13 @@ def ring_all_reduce(tensor, group=None):
         return incoming
 
     # exercise 02.1: ring all-reduce
-    # hint: N−1 reduce-scatter steps, then N−1 all-gather steps, each one `exchange(send_index, recv_index)`
-    #   (it sends a chunk to the right and returns the one from the left); the docstring gives the chunk
-    #   indices of step s.
+    # hint: [PB] App. §5.1 (02's README, "Collectives and the ring all-reduce"): N−1 reduce-scatter steps,
+    #   then N−1 all-gather steps, each one `exchange(send_index, recv_index)` (it sends a chunk to the right
+    #   and returns the one from the left). In each step a rank passes on the chunk it updated last; which
+    #   chunk is that at step s, if rank r is to end the first phase holding chunk (r+1) mod N summed?
     # test: tests/test_collectives.py::test_collectives_match_playbook_and_ring_all_reduce
+    # hides: "send chunk (r−s) mod N, add the received chunk (r−s−1) mod N"
+    #   "send chunk (r+1−s) mod N, overwrite chunk (r−s) mod N with the received one"
     for s in range(size - 1):                                       # === reduce-scatter phase ===
         chunks[(rank - s - 1) % size] += exchange((rank - s) % size, (rank - s - 1) % size)
     for s in range(size - 1):                                       # === all-gather phase ===

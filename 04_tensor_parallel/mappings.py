@@ -43,8 +43,7 @@ def split_along(x, dim, group):
 
 
 class CopyToTPRegion(torch.autograd.Function):
-    """f: forward identity (every rank already holds X); backward all-reduce (sum) of dL/dX over the
-    group, since each rank's column shard contributed its part of the input gradient."""
+    """f (enters a column-parallel block): forward identity, backward all-reduce (sum) over the group."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -59,6 +58,11 @@ class CopyToTPRegion(torch.autograd.Function):
         #   all-reduce works in place, so it must not overwrite a tensor autograd still holds. A backward
         #   returns one gradient per forward input.
         # test: tests/test_tensor_parallel.py::test_parallel_layers_match_dense_twins[f-and-f-bar]
+        # hides: "forward identity          backward all-reduce (sum)"
+        #   "forward all-reduce (sum)  backward identity"
+        #   "forward identity, backward all-reduce (sum) over the group"
+        #   "forward all-reduce (sum) over the group, backward identity"
+        #   "identity forward, all-reduce backward" "all-reduce forward, identity backward"
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)                     # (B, T, C) summed over tp
         return grad, None
@@ -66,8 +70,7 @@ class CopyToTPRegion(torch.autograd.Function):
 
 
 class ReduceFromTPRegion(torch.autograd.Function):
-    """f̄: forward all-reduce (sum) of the partial row-parallel outputs; backward identity (every rank
-    needs the whole dL/dY)."""
+    """f̄ (leaves a row-parallel block): forward all-reduce (sum) over the group, backward identity."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -4,8 +4,8 @@ Playbook §2.4, Korthikanti et al. 2022 ("Reducing activation recomputation in l
 models"). Under plain TP every rank holds the full (B, T, C) residual stream and runs the RMSNorms on
 all of it. SP keeps it sharded along the sequence, (B, T/t, C), and swaps TP's conjugate pair:
 
-    f  (identity | all-reduce)   ->  g  = all-gather along T forward,  reduce-scatter backward
-    f̄  (all-reduce | identity)   ->  ḡ  = reduce-scatter along T forward, all-gather backward
+    f  ->  g = all-gather along T forward, reduce-scatter backward
+    f̄  ->  ḡ = reduce-scatter along T forward, all-gather backward
 
 g enters a block (before q/k/v and gate/up, and the lm head), ḡ leaves it (after o_proj and down_proj,
 and the vocab-parallel embedding); the table of regions is in 05_sequence_context_parallel/README.md.
@@ -38,6 +38,8 @@ def reduce_scatter_along(x, dim, group):
     #   those two along the sequence; a flat reduce-scatter (comm.py) hands out consecutive pieces, and
     #   mappings.all_gather_along is the other half.
     # test: tests/test_context_parallel.py::test_attention_and_models_match_dense_twins[sp]
+    # hides: "all-gather along T forward, reduce-scatter backward"
+    #   "reduce-scatter along T forward, all-gather backward"
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()                                 # (n, …)
     out = torch.empty(moved.shape[0] // size, *moved.shape[1:], dtype=x.dtype, device=x.device)
@@ -47,8 +49,9 @@ def reduce_scatter_along(x, dim, group):
 
 
 class GatherFromSPRegion(torch.autograd.Function):
-    """g: forward all-gather along the sequence, (B, T/t, C) -> (B, T, C);
-    backward reduce-scatter, (B, T, C) partial dL/dx -> (B, T/t, C) summed over tp."""
+    """g: all-gather along T forward, reduce-scatter backward.
+
+    Forward (B, T/t, C) -> (B, T, C); backward (B, T, C) partial dL/dx -> (B, T/t, C) summed over tp."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -65,8 +68,9 @@ class GatherFromSPRegion(torch.autograd.Function):
 
 
 class ReduceScatterToSPRegion(torch.autograd.Function):
-    """ḡ: forward reduce-scatter along the sequence, (B, T, C) partial -> (B, T/t, C) summed;
-    backward all-gather, (B, T/t, C) -> (B, T, C)."""
+    """ḡ: reduce-scatter along T forward, all-gather backward.
+
+    Forward (B, T, C) partial -> (B, T/t, C) summed over tp; backward (B, T/t, C) -> (B, T, C)."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -40,8 +40,8 @@ def linear_cross_entropy_reference(hidden, weight, targets, ignore_index: int = 
 @triton.jit
 def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK_V: tl.constexpr,
                           WRITE_GRAD: tl.constexpr):
-    # One program per row of the chunk. LOGITS (chunk, V), in the GEMM's dtype, is overwritten in place
-    # by (softmax(logits) - onehot(target)) / n_valid, the gradient of the mean loss; sums are fp32.
+    # One program per row of the chunk; sums are fp32. LOGITS (chunk, V), in the GEMM's dtype, is
+    # overwritten in place by the gradient of the mean loss: (softmax(logits) - onehot(target)) / n_valid.
     row = tl.program_id(0).to(tl.int64)
     logits_row = LOGITS + row * V
     target = tl.load(TARGETS + row)
@@ -80,6 +80,7 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, N_VALID, V, ignore_index, BLOCK
         #   logits; then, per chunk, the chain rule through logits = h·Wᵀ gives dh and adds into dW
         #   (add_grad_weight: an fp32 accumulator).
         # test: tests/test_kernels.py::test_fused_linear_cross_entropy
+        # hides: "(softmax(logits) - onehot(target)) / n_valid"
         # dlogits = (exp(x - lse) - [col == target]) / n_valid, 0 if ignored
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)

@@ -7,7 +7,7 @@ A solution block sits between two comments that stay readable in the solution (`
     #   with "#   "; never the code
     # test: tests/test_collectives.py::test_collectives_match_playbook_and_ring_all_reduce
     # level: 2   (optional: the harder form of an idea, stubbed by `make --level 2` only)
-    # hides: "a phrase of the file's docstrings or comments that would give the block away"
+    # hides: "a phrase of a docstring or comment (in any source file) that would give the block away"
     ...the solution: complete statements inside a function...
     # end exercise
 
@@ -63,7 +63,7 @@ class Exercise:
     hint: str = ""
     test: str = ""
     level: int = 1
-    hides: list = field(default_factory=list)      # phrases of its files the student copy replaces by "…"
+    hides: list = field(default_factory=list)      # phrases the student copy's sources hold as "…"
     blocks: list = field(default_factory=list)
 
     @property
@@ -156,24 +156,40 @@ def parse(root: Path = ROOT) -> list:
                     raise ExerciseError(f"{where}: exercise {ex_id}'s level is 1 or 2, not "
                                         f"{header['level']!r}")
                 exercise.level = int(header["level"] or 1)
-                exercise.hides = re.findall(r'"([^"]+)"', header["hides"])
+                # a student copy's header holds "…" for each phrase it hid
+                exercise.hides = [h for h in re.findall(r'"([^"]+)"', header["hides"]) if h != "…"]
             elif any(header.values()):
                 raise ExerciseError(f"{where}: hint, test, level and hides go with the title, in the first "
                                     f"block")
             exercise.blocks.append(Block(name, i + 1, indent, comment, (start, end - 1)))
             i = end + 1
+    texts = None            # the source files' text outside the blocks, read at the first `hides`
     for exercise in exercises.values():
         where = f"{exercise.blocks[0].path}:{exercise.blocks[0].line}"
         if not exercise.title:
             raise ExerciseError(f"{where}: exercise {exercise.id} has no block with its title")
         if '"' in exercise.message() and any(b.comment == "//" for b in exercise.blocks):
             raise ExerciseError(f"{where}: no '\"' in a CUDA hint")
-        texts = {b.path: outside_blocks(root, b.path, exercises.values()) for b in exercise.blocks}
+        if exercise.hides and texts is None:
+            texts = prose_texts(root, exercises.values())
         for phrase in exercise.hides:
+            if any(phrase in other.message() for other in exercises.values()):
+                raise ExerciseError(f"{where}: exercise {exercise.id} hides {phrase!r}, which a hint holds "
+                                    f"(its stub would change)")
             if not any(phrase in text for text in texts.values()):
-                raise ExerciseError(f"{where}: exercise {exercise.id} hides {phrase!r}, which its files do "
-                                    f"not hold outside the blocks")
+                raise ExerciseError(f"{where}: exercise {exercise.id} hides {phrase!r}, which no source file "
+                                    f"holds outside the blocks")
     return sorted(exercises.values(), key=lambda e: e.order)
+
+
+def lesson_sources(root: Path) -> list:
+    """The source files a `hides` phrase may be in: every one but tests/'s."""
+    return [name for name in source_files(root) if name.endswith(SOURCES) and not name.startswith("tests/")]
+
+
+def prose_texts(root: Path, exercises) -> dict:
+    """{lesson source file: its text without any exercise's blocks}."""
+    return {name: outside_blocks(root, name, exercises) for name in lesson_sources(root)}
 
 
 def outside_blocks(root: Path, path: str, exercises) -> str:
@@ -210,7 +226,7 @@ def guarded_lines(exercise: Exercise, block: Block, lines: list) -> list:
 
 def write_copy(root: Path, out: Path, exercises: list, replace, hide: bool = False) -> Path:
     """Copy the repository's files into out, each block replaced by replace(exercise, block, lines); with
-    `hide`, each exercise's `hides` phrases in its files replaced by "…"."""
+    `hide`, each exercise's `hides` phrases replaced by "…" in every lesson source file."""
     given, out = out, Path(out).resolve()
     if out == root or root in out.parents:
         raise ExerciseError(f"{out} is inside the repository: write the copy somewhere else")
@@ -228,10 +244,14 @@ def write_copy(root: Path, out: Path, exercises: list, replace, hide: bool = Fal
         for exercise, block in sorted(blocks, key=lambda eb: -eb[1].line):     # bottom up: indices hold
             first, last = block.body
             lines[first:last + 1] = replace(exercise, block, lines)
-        text = "\n".join(lines) + "\n"
-        for phrase in {p for exercise, _ in blocks for p in exercise.hides} if hide else ():
-            text = text.replace(phrase, "…")
-        rewritten[name] = text
+        rewritten[name] = "\n".join(lines) + "\n"
+    phrases = {p for exercise in exercises for p in exercise.hides} if hide else set()
+    for name in lesson_sources(root) if phrases else ():
+        text = rewritten.get(name) or (root / name).read_text()
+        if any(phrase in text for phrase in phrases):
+            for phrase in phrases:
+                text = text.replace(phrase, "…")
+            rewritten[name] = text
     made = not out.exists()
     try:
         for name in source_files(root):

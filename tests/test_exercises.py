@@ -7,15 +7,19 @@ the wrong exercise or passes with its exercise stubbed; malformed markers are na
 
 On this repository: at least 35 exercises, 3 or more in every numbered folder and in kernels/, one in every
 kernel file, each listed in its folder README; COURSE.md (at most 80 lines) holds them all once in order,
-in classes whose experiments exist; no README quotes a solution and no line of a solution survives
-anywhere in the student copy; the copy compiles; and `check` runs every exercise's test in one pytest
+in classes whose experiments exist; no README quotes a solution, no line of a solution survives anywhere in
+the student copy, and no docstring or comment there says which collective a stub runs forward and which
+backward; the copy compiles; and `check` runs every exercise's test in one pytest
 session per round, each with the exercises before it solved and it and the later ones stubbed: each fails,
 naming its exercise and no other. That the tests pass with every exercise solved is the rest of the
 suite's job (they are ordinary tests of it); `check --passing` (about a minute, not run here) shows each
 passes with only the later exercises stubbed.
 """
+import ast
+import io
 import py_compile
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -151,8 +155,10 @@ def test_progress_runs_the_written_exercises_and_names_the_next(tmp_path):
                   "\n# exercise 01.3: t\n# hint: h\n# test: t\nX = 3\n# end exercise"),
      "not inside a function"),
     (CALC.replace("# level: 2", "# level: 3"), "level is 1 or 2, not '3'"),
-    (CALC.replace('"two doublings"', '"three doublings"'), "hides 'three doublings', which its files"),
-], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker", "module-level", "level", "hides"])
+    (CALC.replace('"two doublings"', '"three doublings"'), "hides 'three doublings', which no source file"),
+    (CALC.replace('"two doublings"', '"hint long enough"'), "hides 'hint long enough', which a hint holds"),
+], ids=["no-end", "no-test", "twice", "wrong-folder", "stray-marker", "module-level", "level", "hides",
+        "hides-a-hint"])
 def test_malformed_markers_name_their_file_and_line(tmp_path, broken, message):
     with pytest.raises(exercises.ExerciseError, match=rf"01_demo/calc.py:\d+: .*{re.escape(message)}"):
         exercises.parse(made_up(tmp_path, broken))
@@ -275,7 +281,8 @@ def test_no_line_of_a_solution_survives_in_the_student_copy(tmp_path):
     """Every exercise stubbed (level 2): no code line of any solution (20 characters or more, its trailing
     comment left out) appears anywhere in the copy (a docstring or comment above a stub that wrote it out,
     a README, a test, another file) but the repository's shared lines (SHARED, each with its reason), and
-    each `hides` phrase is gone from its exercise's files."""
+    each `hides` phrase is gone from every source file outside tests/ (the READMEs keep theirs: they derive
+    what the hint points to)."""
     student = tmp_path / "student"
     exercises.make(student, level=2)
     texts = {name: (student / name).read_text() for name in exercises.source_files(student)
@@ -283,9 +290,59 @@ def test_no_line_of_a_solution_survives_in_the_student_copy(tmp_path):
     survivors = [f"{e.id}: {line!r} in {name}" for e in FOUND for b in e.blocks for line in code_lines(b)
                  for name, text in texts.items() if line in text and line not in SHARED]
     assert not survivors, "\n".join(survivors)
-    hidden = [f"{e.id}: {phrase!r} in {b.path}" for e in FOUND for phrase in e.hides for b in e.blocks
-              if phrase in texts[b.path]]
+    sources = set(exercises.lesson_sources(student))
+    hidden = [f"{e.id}: {phrase!r} in {name}" for e in FOUND for phrase in e.hides
+              for name, text in texts.items() if phrase in text and name in sources]
     assert not hidden, "\n".join(hidden)
+
+
+# Prose that states a stub's collectives: a direction beside a collective its block calls ("backward
+# all-reduce", "all-gather along T forward", "backward  x = all-gather"), as the docstrings above 04.1's and
+# 05.1's stubs did. Each found line of the student copy, with why it gives nothing away.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+STATED_ALLOWED = {
+    "whose backward is an all-reduce too": "07.1's hint names SumOverRanks: given code, derived there",
+    "# The all-to-all, forward and backward": "07.4's section banner: it names no direction's collective",
+}
+
+
+def stated(collective):
+    word = collective.replace("-", "[-_ ]?") + "s?"
+    return re.compile(rf"\b(forward|backward)\W{{1,4}}(\S{{1,3}}\s+){{0,2}}{word}\b|"
+                      rf"\b{word}(\s+along\s+\S+)?\W{{1,3}}(forward|backward)\b", re.I)
+
+
+def prose_lines(path: Path) -> dict:
+    """{line number: text} of a Python file's docstrings and comments (hint lines too)."""
+    source = path.read_text()
+    lines, prose = source.splitlines(), {}
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            prose.update({n: lines[n - 1] for n in range(body[0].lineno, body[0].end_lineno + 1)})
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            prose[token.start[0]] = token.string
+    return prose
+
+
+def test_no_docstring_or_comment_states_a_stubs_collectives(tmp_path):
+    """Every exercise stubbed (level 2): in the files that hold an exercise's stubs, no docstring or comment
+    (the hints included) says which of the collectives its solution calls runs forward and which backward
+    (checked line by line, so a statement broken over two lines escapes; its `hides` phrases and the
+    survivors' test above catch what is written otherwise, e.g. 02.1's chunk indices and K.5's formula)."""
+    student = tmp_path / "student"
+    exercises.make(student, level=2)
+    found = []
+    for e in FOUND:
+        for path in sorted({b.path for b in e.blocks if b.path.endswith(".py")}):
+            calls = " ".join(" ".join(code_lines(b)) for b in e.blocks if b.path == path)
+            used = [c for c in COLLECTIVES if re.search(rf"\b{c.replace('-', '_')}\w*\(", calls)]
+            for number, text in prose_lines(student / path).items():
+                if any(stated(c).search(text) for c in used) and not any(a in text for a in STATED_ALLOWED):
+                    found.append(f"{e.id}: {path}:{number}: {text.strip()}")
+    assert not found, "\n".join(found)
 
 
 @pytest.fixture(scope="module")
