@@ -2,9 +2,10 @@
 
 COURSE.md's table holds one row per class of about 90 minutes: its number, title, reading, exercises (their
 IDs, in course order) and experiment (a folder README's "Try it"). `list` prints the classes with each
-exercise's test and status (todo: still a stub; written: not a stub); `progress`, in a student copy, runs
-the tests of the written exercises (in as many pytest sessions as there are cores, at most 2) and prints
-which pass, which fail, which are todo and the next one to do, on one screen.
+exercise's test and status (todo: still a stub; written: not a stub; given: solved in the copy `make` wrote,
+as a level-1 copy's level-2 exercises are); `progress`, in a student copy, runs the tests of the written
+exercises (in as many pytest sessions as there are cores, at most 2), not the given ones', and prints which
+pass, which fail, which are todo and the next one to do, on one screen.
 """
 import os
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exercise_check import _cases
-from exercises import ROOT, ExerciseError, is_stub, parse
+from exercises import ROOT, ExerciseError, is_stub, made, parse
 
 ID = re.compile(r"\b(?:[0-9]{2}|K)\.[0-9]+\b")
 
@@ -49,21 +50,25 @@ def course(root: Path = ROOT) -> list:
     return classes
 
 
-def status(exercise, root: Path) -> str:
-    return "todo" if any(is_stub(exercise, b, root) for b in exercise.blocks) else "written"
+def status(exercise, root: Path, record=None) -> str:
+    """todo (a stub), given (`record`, what make stubbed, leaves it solved) or written."""
+    if any(is_stub(exercise, b, root) for b in exercise.blocks):
+        return "todo"
+    return "given" if record is not None and exercise.id not in record["stubbed"] else "written"
 
 
 def listing(root: Path = ROOT) -> str:
     exercises = {e.id: e for e in parse(root)}
-    classes = course(root)
+    classes, record = course(root), made(root)
     rows = [f"COURSE.md: {len(classes)} classes of about 90 minutes, {len(exercises)} exercises; run each "
-            f"test from the repository root (todo: still a stub; level 2: `make --level 2` stubs it)"]
+            f"test from the repository root (todo: still a stub; given: solved in this copy; level 2: `make "
+            f"--level 2` stubs it)"]
     for c in classes:
         rows += ["", f"class {c.number}: {c.title}", f"  read: {c.reading}"]
         for e in map(exercises.get, c.exercises):
             where = ", ".join(f"{b.path}:{b.line}" for b in e.blocks)
             level = "  (level 2)" if e.level == 2 else ""
-            rows += [f"  {e.id:<5} {status(e, root):<8} {e.title}{level}   ({where})",
+            rows += [f"  {e.id:<5} {status(e, root, record):<8} {e.title}{level}   ({where})",
                      f"  {'':14}python -m pytest -q {shlex.quote(e.test)}"]
         rows.append(f"  try: {c.experiment}")
     return "\n".join(rows)
@@ -89,28 +94,37 @@ def run_tests(tests: list, root: Path) -> dict:
 
 
 def progress(root: Path = ROOT) -> str:
-    """One screen: per class its exercises' states (pass, FAIL, todo, skip), then what to do next."""
+    """One screen: per class its exercises' states (pass, FAIL, todo, skip, given: solved in the copy make
+    wrote, its test not run), then what to do next."""
     exercises = parse(root)
-    classes = course(root)
-    written = [e for e in exercises if status(e, root) == "written"]
+    classes, record = course(root), made(root)
+    kinds = {e.id: status(e, root, record) for e in exercises}
+    written = [e for e in exercises if kinds[e.id] == "written"]
     cases = run_tests(sorted({e.test for e in written}), root) if written else {}
     states, notes = {}, {}
     for e in exercises:
         mine = [v for k, v in cases.items() if k == e.test or k.startswith(e.test + "[")]
-        if e not in written:
-            states[e.id] = "todo"
+        if kinds[e.id] != "written":
+            states[e.id] = kinds[e.id] + (" (level 2)" if kinds[e.id] == "given" and e.level == 2 else "")
         elif not mine or any(kind == "failed" for kind, _ in mine):
             states[e.id] = "FAIL"
             text = next((t for kind, t in mine if kind == "failed"), "pytest collected no test")
             notes[e.id] = next((line.strip() for line in text.splitlines() if line.strip()), "")[:100]
         else:
             states[e.id] = "skip" if all(kind == "skipped" for kind, _ in mine) else "pass"
-    counts = {s: sum(v == s for v in states.values()) for s in ("pass", "FAIL", "todo", "skip")}
-    rows = [f"{counts['pass']} pass, {counts['FAIL']} fail, {counts['todo']} todo, {counts['skip']} skipped "
-            f"(of {len(exercises)}; COURSE.md's {len(classes)} classes)"]
-    for c in classes:
-        marks = "  ".join(f"{i} {states[i]}" for i in c.exercises)
-        rows.append(f"class {c.number:<2} {c.title[:28]:<28} {marks}")
+    counts = {s: sum(v.split()[0] == s for v in states.values())
+              for s in ("pass", "FAIL", "todo", "skip", "given")}
+    given = f", {counts['given']} given (solved in this copy, not run)" if counts["given"] else ""
+    rows = [f"{counts['pass']} pass, {counts['FAIL']} fail, {counts['todo']} todo, {counts['skip']} skipped"
+            f"{given} (of {len(exercises)}; COURSE.md's {len(classes)} classes)"]
+    for c in classes:                  # a class's marks, on lines of at most 110 characters
+        lines = [[]]
+        for mark in (f"{i} {states[i]}" for i in c.exercises):
+            if lines[-1] and 38 + len("  ".join(lines[-1] + [mark])) > 110:
+                lines.append([])
+            lines[-1].append(mark)
+        head = f"class {c.number:<2} {c.title[:28]:<28}"
+        rows += [f"{head if k == 0 else '':<37} " + "  ".join(part) for k, part in enumerate(lines)]
     rows += [f"  {i} fails: {note}" for i, note in notes.items()]
     following = next((e for e in exercises if states[e.id] in ("FAIL", "todo")), None)
     if following is None:

@@ -15,10 +15,12 @@ An exercise may have more blocks, each opened by a bare `# exercise 02.1`. IDs a
 NN_*, K.M for kernels/, and the list is the course, in that order (COURSE.md groups it into classes).
 `make` copies the repository's files into OUT (no history) with every block of level 1 (`--level 2`: all)
 replaced by a stub that raises NotImplementedError("exercise 02.1 (ring all-reduce): <hint>") (#error in
-CUDA), and each `hides` phrase of its files replaced by "…"; the markers stay, so `list` and `progress`
-run there say which are left. `check` (tests/exercise_check.py) proves the cycle a student lives through,
-in order: with the exercises before k solved and k and the later ones stubbed, k's test fails naming k
-and no other; `check --passing`: with k solved too, it passes.
+CUDA), and each `hides` phrase replaced by "…" in every source file outside tests/ (a docstring or comment
+that states the answer; the READMEs stay: they derive it). The markers stay, so `list` and `progress` run
+there say which are left; MADE records what was stubbed (a level-1 copy's level-2 exercises are given).
+`check` (tests/exercise_check.py) proves the cycle a student lives through, in order: with the exercises
+before k solved and k and the later ones stubbed, k's test fails naming k and no other; `check
+--passing`: with k solved too, it passes.
 
     python tests/exercises.py list                           # the course, each exercise's test and status
     python tests/exercises.py make ../student                # or --level 2, or --only 04.1 04.2
@@ -41,6 +43,7 @@ SOURCES = (".py", ".cu", ".cuh", ".h", ".cpp")
 OPEN = re.compile(r"^(\s*)(#|//) exercise ([0-9]{2}|K)\.([0-9]+)(?:: (.+))?$")
 STUB_NAME = re.compile(r"exercise ((?:[0-9]{2}|K)\.[0-9]+) \(")   # how a stub's message names its exercise
 SKIP_DIRS = {"__pycache__", "venv", "node_modules"}     # and hidden folders (.git, .cache, .venv, ...)
+MADE = ".exercises-made.json"      # in a student copy: {"level": 1 or 2, "stubbed": [IDs]} (make writes it)
 
 
 class ExerciseError(ValueError):
@@ -274,8 +277,16 @@ def make(out, only=None, root: Path = ROOT, level: int = 1) -> list:
     `hides` phrases gone. Returns the stubbed."""
     exercises = parse(root)
     chosen = select(exercises, only) if only else [e for e in exercises if e.level <= level]
-    write_copy(root, out, chosen, lambda exercise, block, lines: stub_lines(exercise, block), hide=True)
+    copy = write_copy(root, out, chosen, lambda exercise, block, lines: stub_lines(exercise, block),
+                      hide=True)
+    (copy / MADE).write_text(json.dumps({"level": level, "stubbed": [e.id for e in chosen]}) + "\n")
     return chosen
+
+
+def made(root: Path):
+    """What `make` stubbed in the student copy at `root` ({"level", "stubbed"}), None elsewhere."""
+    path = root / MADE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def select(exercises, only):

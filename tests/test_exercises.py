@@ -2,8 +2,9 @@
 
 On a small made-up repository (seconds, no torch): the student copy replaces each block of level 1 (level
 2: all) by its stub and each `hides` phrase by "…", and nothing else; `list` says which blocks are left;
-`progress` there runs the written ones' tests and names the next; the checks find a test that fails naming
-the wrong exercise or passes with its exercise stubbed; malformed markers are named by file and line.
+`progress` there runs the written ones' tests and names the next, and in a level-1 copy shows the level-2
+exercises as given and runs none of their tests; the checks find a test that fails naming the wrong
+exercise or passes with its exercise stubbed; malformed markers are named by file and line.
 
 On this repository: at least 35 exercises, 3 or more in every numbered folder and in kernels/, one in every
 kernel file, each listed in its folder README; COURSE.md (at most 80 lines) holds them all once in order,
@@ -143,6 +144,33 @@ def test_progress_runs_the_written_exercises_and_names_the_next(tmp_path):
     calc.write_text(calc.read_text().replace("return 3 * x", "return 2 * x"))
     report = exercise_course.progress(tmp_path / "student")
     assert "01.1 pass  01.2 todo" in report and "next: 01.2 quadruple" in report
+
+
+def test_progress_in_a_level_1_copy_gives_the_level_2_exercises_and_runs_none_of_their_tests(tmp_path,
+                                                                                           monkeypatch):
+    """make without --level 2 leaves 01.2 (level 2) solved: `list` and `progress` there say "given", and
+    progress runs only the tests of the exercises the copy stubbed that the student wrote (01.2's test_quad
+    is made to fail in the copy: it would show as FAIL if it ran). An --only copy gives the others alike."""
+    root = made_up(tmp_path)
+    student = tmp_path / "student"
+    exercises.make(student, root=root)
+    tests = student / "tests" / "test_calc.py"
+    tests.write_text(tests.read_text().replace("== 12", "== 13"))
+    ran, run_tests = [], exercise_course.run_tests
+    monkeypatch.setattr(exercise_course, "run_tests", lambda chosen, where: ran.extend(chosen) or
+                        run_tests(chosen, where))
+    report = exercise_course.progress(student)
+    assert report.splitlines()[0].startswith("0 pass, 0 fail, 1 todo, 0 skipped, 1 given")
+    assert "01.1 todo  01.2 given (level 2)" in report and "next: 01.1 double it" in report and ran == []
+    assert re.search(r"01\.2 +given +quadruple", exercise_course.listing(student))
+    calc = student / "01_demo" / "calc.py"
+    stub = exercises.stub_lines(exercises.parse(root)[0], exercises.parse(root)[0].blocks[0])
+    calc.write_text(calc.read_text().replace("\n".join(stub), "    return 2 * x"))
+    report = exercise_course.progress(student)
+    assert "01.1 pass  01.2 given (level 2)" in report and ran == ["tests/test_calc.py::test_double"]
+    assert "next: nothing left" in report
+    exercises.make(tmp_path / "only", only=["01.2"], root=root)
+    assert "01.1 given  01.2 todo" in exercise_course.progress(tmp_path / "only")
 
 
 @pytest.mark.parametrize("broken, message", [
