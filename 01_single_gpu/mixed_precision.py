@@ -93,10 +93,18 @@ def layout_of(args) -> Layout:
 
 @torch.no_grad()
 def accumulate(p, buffer):
-    """A post-accumulate-grad hook's body (bf16-20): after each micro-batch's backward, the fp32 `buffer`
-    += p's bf16 .grad, which is zeroed (its storage stays: the playbook's 2 + 4 gradient bytes)."""
-    buffer.add_(p.grad)
-    p.grad.zero_()
+    """A post-accumulate-grad hook's body (bf16-20), run after each micro-batch's backward wrote p's bf16
+    .grad: `buffer` is p's fp32 accumulator (the playbook's 2 + 4 gradient bytes; .grad's storage stays)."""
+    # exercise 01.7: gradient accumulation in fp32
+    # hint: [PB] §2.1 "Gradient accumulation" and "Mixed precision training" (01's README, "Mixed
+    #   precision"; bf16-20's row of the table above): the step's gradient is the sum over the micro-batches
+    #   (train_step divides each loss by their number). Summed in bf16, 8 bits of mantissa, the small ones
+    #   would be lost; and autograd adds the next micro-batch's gradient into whatever .grad holds.
+    # test: tests/test_mixed_precision.py::test_bf16_20_sums_the_micro_batch_gradients_in_fp32
+    # hides: "(bf16-20: hooks add each .grad into fp32, zero it)"
+    buffer.add_(p.grad)                     # (*p.shape) fp32 += bf16
+    p.grad.zero_()                          # kept, not freed: the next backward adds into it
+    # end exercise
 
 
 def main_grad(p):

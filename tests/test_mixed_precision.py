@@ -41,6 +41,39 @@ def test_loss_scaler_backs_off_and_grows():
     assert seen == [512, 512, 512, 1024, 1024, 512, 512]
 
 
+def test_bf16_20_sums_the_micro_batch_gradients_in_fp32():
+    """bf16-20's gradient accumulation (exercise 01.7): after four micro-batches' backwards each fp32
+    accumulator holds the sum of their bf16 gradients (against the float64 sum of the same bf16 values: fp32
+    rounding of four terms, 1e-6 relative) and .grad is zero, its storage kept for the next backward. The
+    micro-batches' inputs differ in scale by 2^9, so a sum in bf16 (8 bits of mantissa) is visibly off
+    (checked: by more than 1e-3 relative), as the playbook's reason for the fp32 buffer says."""
+    from types import SimpleNamespace
+    args = SimpleNamespace(dtype="bfloat16", precision_layout="bf16-20", loss_scale_init=1.0,
+                           loss_scale_window=1, lr=0.1, weight_decay=0.0)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    optimizer = mixed_precision.MixedPrecisionOptimizer(layer.parameters(), args)
+    optimizer.zero_grad()
+    exact = [torch.zeros(p.shape, dtype=torch.float64) for p in layer.parameters()]
+    in_bf16 = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in layer.parameters()]
+    storages = None
+    for scale in (1.0, 2.0 ** -3, 2.0 ** -6, 2.0 ** -9):
+        x = (scale * torch.randn(4, 16)).to(torch.bfloat16)
+        grads = torch.autograd.grad(layer(x).float().pow(2).sum(), list(layer.parameters()))
+        for total, low, g in zip(exact, in_bf16, grads):
+            total += g.double()
+            low += g
+        layer(x).float().pow(2).sum().backward()
+        assert all(p.grad is not None and not p.grad.any() for p in layer.parameters()), "a .grad not zeroed"
+        pointers = [p.grad.data_ptr() for p in layer.parameters()]
+        assert storages in (None, pointers), ".grad reallocated: its storage must stay"
+        storages = pointers
+    for accumulator, total, low in zip(optimizer.accumulators, exact, in_bf16):
+        assert accumulator.dtype == torch.float32
+        torch.testing.assert_close(accumulator.double(), total, rtol=1e-6, atol=1e-9)
+        assert (low.double() - total).abs().max() > 1e-3 * total.abs().max()
+
+
 def test_fp16_overflow_step_changes_nothing_and_halves_the_scale():
     """An overflowing step (an inf gradient, so a non-finite norm) leaves the weights, AdamW's moments and
     its step count as they were, and halves S; the next finite step runs."""
