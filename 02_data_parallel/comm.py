@@ -61,6 +61,26 @@ def _wire_bytes(op, n, group, args):
     call's arguments in the order of torch's signature, defaults filled in."""
     if op == "barrier":  # no tensor
         return 0, 0
+    if op == "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes)
+        inp = args[1]
+        splits = args[3] or [inp.shape[0] // n] * n
+        row = _nbytes(inp) // max(inp.shape[0], 1)
+        return _nbytes(inp), row * (sum(splits) - splits[dist.get_rank(group)])
+    if op in ("send", "isend"):
+        return _nbytes(args[0]), _nbytes(args[0])
+    if op in ("recv", "irecv"):
+        return _nbytes(args[0]), 0
+    return _ring_bytes(op, n, args)
+
+
+def _ring_bytes(op, n, args):
+    """(payload K, wire) of a collective the ring algorithm runs over n ranks; (0, 0) for another op."""
+    # exercise 02.6: the meter's bytes of a ring collective
+    # hint: [PB] App. §5.1, ZeRO §7.1 (02's README, "The meter's byte conventions"; 02.1's ring): a ring
+    #   reduce-scatter or all-gather sends n−1 of the n chunks of K, an all-reduce is the two, broadcast and
+    #   reduce are counted as one phase. K is the full-size tensor, whichever argument of torch's signature
+    #   holds it (the list forms hold one piece per rank).
+    # test: tests/test_collectives.py::test_meter_counts_the_ring_algorithms_bytes_per_rank
     if op == "all_reduce":
         k = _nbytes(args[0])
         return k, 2 * (n - 1) * k // n
@@ -79,16 +99,8 @@ def _wire_bytes(op, n, group, args):
     if op == "reduce_scatter":  # (output, input_list)
         k = sum(_nbytes(t) for t in args[1])
         return k, (n - 1) * k // n
-    if op == "all_to_all_single":  # (output, input, output_split_sizes, input_split_sizes)
-        inp = args[1]
-        splits = args[3] or [inp.shape[0] // n] * n
-        row = _nbytes(inp) // max(inp.shape[0], 1)
-        return _nbytes(inp), row * (sum(splits) - splits[dist.get_rank(group)])
-    if op in ("send", "isend"):
-        return _nbytes(args[0]), _nbytes(args[0])
-    if op in ("recv", "irecv"):
-        return _nbytes(args[0]), 0
     return 0, 0
+    # end exercise
 
 
 METERED = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all_single",

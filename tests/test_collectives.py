@@ -5,7 +5,8 @@ Exact comparisons (small integers in float32 are exact). 3 ranks (a group of ran
 divisible by 4), where the elements each rank sends are 2K − |chunk r+1| − |chunk r+2| and add up
 to 2(N−1)K over the ranks; with N | K that is 2(N−1)K/N per rank (checked with K = 12). The
 communication meter must see the same bytes for the ring's isends, and the same counts whether
-point-to-point calls are made one by one or batched, and wherever the group is passed.
+point-to-point calls are made one by one or batched, and wherever the group is passed; and count each ring
+collective's bytes as 02's README table says (exactly: N divides K there).
 """
 
 import torch
@@ -24,8 +25,9 @@ def _all_checks_rank(numel):
     if dist.get_rank() < 3:
         results = {op.__name__: op(group=three) for op in demo.OPERATIONS}
         results["barrier"] = demo.barrier(0.2, group=three)
-    with comm.CommMeter() as meter:
-        results["ring"] = demo.ring_demo(numel)
+    results["ring"] = demo.ring_demo(numel)
+    with comm.CommMeter() as meter:                                          # the ring's isends alone
+        demo.ring_all_reduce(torch.zeros(numel))
     results["ring_wire"] = meter.total_wire(op="isend")
     results["ring_divisible_sent"] = demo.ring_demo(12)[2]                   # 4 | 12
     return {k: _plain(v) for k, v in results.items()}
@@ -67,8 +69,30 @@ def test_collectives_match_playbook_and_ring_all_reduce():
 
 
 # ======================================================================================
-# The meter: batched point-to-point and positional groups
+# The meter: the ring's bytes, batched point-to-point and positional groups
 # ======================================================================================
+def test_meter_counts_the_ring_algorithms_bytes_per_rank():
+    """The meter's (payload, wire) of one call over N = 2, 3, 4, 8 ranks on K = 96 bytes (24 float32, so N
+    divides K and the counts are exact), by 02's README table: all-reduce 2(N−1)K/N, the rest (N−1)K/N, K the
+    full-size tensor (the gathered output, the scattered input, the list forms' pieces together) under
+    every name torch 2.11 and 2.13 give the flat forms; an all-reduce costs a reduce-scatter plus an
+    all-gather (ZeRO §7.1). Without ranks: the count needs only N."""
+    import comm
+    whole = torch.zeros(24)
+    for n in (2, 3, 4, 8):
+        k, part = 96, torch.zeros(24 // n)
+        one_phase = (n - 1) * k // n
+        counted = {op: comm._ring_bytes(op, n, args) for op, args in [
+            ("all_reduce", [whole]), ("broadcast", [whole]), ("reduce", [whole]),
+            ("all_gather_into_tensor", [whole, part]), ("all_gather_single", [whole, part]),
+            ("reduce_scatter_tensor", [part, whole]), ("reduce_scatter_single", [part, whole]),
+            ("all_gather", [[part] * n, part]), ("reduce_scatter", [part, [part] * n])]}
+        assert counted.pop("all_reduce") == (k, 2 * (n - 1) * k // n), n
+        assert counted == dict.fromkeys(counted, (k, one_phase)), n
+        assert comm._wire_bytes("all_reduce", n, None, [whole])[1] == 2 * one_phase
+        assert comm._ring_bytes("barrier", n, []) == (0, 0)
+
+
 def _exchanges_rank(modes):
     """3 ranks: a ring in the world (rank r sends r+1 floats on) and, on ranks 0 and 1, an exchange and
     an all-reduce in a group passed positionally; with isend/irecv, or batched with P2POps built inside
