@@ -51,10 +51,17 @@ class OptimizerOffload:
     def gradients_to_host(self):
         """Each shard's gradient (n,), reduced and clipped on the device, into its host buffer: .grad, or
         bf16-20's fp32 `main_grad` (zero.py's finish_gradients)."""
+        # exercise 03.4: ZeRO-Offload's copies around the step
+        # hint: ZeRO-Offload §4 (03's README, "ZeRO-Offload"; the module docstring's `optimizer` row): AdamW
+        #   steps the host's `master` pieces, so each needs its shard's reduced gradient there, in the host
+        #   buffer made for it (bf16-20 keeps that gradient in fp32 beside the bf16 shard: 01's main_grad);
+        #   after the step the device shards take the stepped values. A copy into an existing tensor casts.
+        # test: tests/test_zero.py::test_optimizer_offload_steps_the_host_masters_of_the_device_shards
         for shard, master, grad in zip(self.shards, self.master, self.grads):
             source = getattr(shard, "main_grad", None)
             grad.copy_(shard.grad if source is None else source, non_blocking=True)   # device -> host (DMA)
             master.grad = grad
+        # end exercise
         if self.shards and self.shards[0].is_cuda:
             torch.cuda.synchronize(self.shards[0].device)              # the CPU step reads them next
 
@@ -62,8 +69,10 @@ class OptimizerOffload:
     def parameters_to_device(self):
         """The stepped master values into the device shards. Asynchronous on a GPU: the next
         gradients_to_host synchronizes before the host writes the masters again."""
+        # exercise 03.4
         for shard, master in zip(self.shards, self.master):
             shard.copy_(master, non_blocking=True)                     # host -> device (bf16: rounded)
+        # end exercise
         self.device_stale = False
 
     def host_bytes(self, optimizer):

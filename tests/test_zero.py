@@ -64,6 +64,34 @@ def check_against_single(per_rank, stage, ref):
                                        msg=f"{what} {name}")
 
 
+def test_optimizer_offload_steps_the_host_masters_of_the_device_shards():
+    """ZeRO-Offload's two copies around the step (exercise 03.4), without ranks (the CPU is both device and
+    host): gradients_to_host puts each bf16 shard's gradient into its fp32 master's .grad (bf16-20's fp32
+    `main_grad` where the shard has one), AdamW steps the masters, parameters_to_device writes them into the
+    shards rounded to bf16 and clears device_stale. Compared exactly with the same AdamW on fp32 copies made
+    by hand: the offload moves numbers, it computes nothing."""
+    torch.manual_seed(0)
+    shards = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in (5, 3)]
+    shards[0].grad = torch.randn(5).to(torch.bfloat16)
+    shards[1].grad, shards[1].main_grad = torch.zeros(3, dtype=torch.bfloat16), torch.randn(3)   # bf16-20
+    host = offload.OptimizerOffload(shards, master_dtype=torch.float32)
+    by_hand = [torch.nn.Parameter(s.detach().float()) for s in shards]
+    for copy, grad in zip(by_hand, (shards[0].grad.float(), shards[1].main_grad)):
+        copy.grad = grad.clone()
+    assert host.device_stale
+    host.gradients_to_host()
+    for master, copy in zip(host.master, by_hand):
+        assert master.grad is not None and master.grad.dtype == torch.float32, "no fp32 gradient on the host"
+        assert torch.equal(master.grad, copy.grad)
+    torch.optim.AdamW(host.master, lr=0.1).step()
+    torch.optim.AdamW(by_hand, lr=0.1).step()
+    host.parameters_to_device()
+    for shard, master, copy in zip(shards, host.master, by_hand):
+        assert torch.equal(master, copy) and shard.dtype == torch.bfloat16
+        assert torch.equal(shard, copy.detach().to(torch.bfloat16)), "the shard is not the stepped master"
+    assert not host.device_stale
+
+
 STEPS, GRAD_ACC, N = 2, 2, 4
 
 
