@@ -36,6 +36,15 @@ def partitioned_checkpoint(layer_forward, tp_group):
     whole and the parameters' gradients accumulate as without P_a."""
     @functools.wraps(layer_forward)
     def forward(x, cos, sin):                                            # x (B, T, C), equal on every tp rank
+        # exercise 04.5: ZeRO-R's partitioned activation checkpoints
+        # hint: ZeRO §6.1 (04's README, "Derivations"; 01's recompute.py): torch's non-reentrant checkpoint
+        #   keeps the arguments it is given and reruns its function on them in backward, so give it this
+        #   rank's 1/t slice of x and a function that uses the whole x the first time it runs (forward:
+        #   no communication) and rebuilds x from the t slices when it runs again (backward).
+        # test: tests/test_tensor_parallel.py::
+        #   test_partitioned_checkpoint_keeps_a_slice_and_gathers_it_in_backward
+        # hides: "x = all-gather of the t slices (B, T, C)"
+        #   "the recomputation in backward all-gathers it"
         shard = mappings.split_along(x.detach(), -1, tp_group)   # (B, T, C/t): all that is kept
         first_run, needs_grad = [x], x.requires_grad                     # x itself, for the forward only
 
@@ -45,6 +54,7 @@ def partitioned_checkpoint(layer_forward, tp_group):
             full = mappings.all_gather_along(shard, -1, tp_group)   # (B, T, C/t) -> (B, T, C)
             return layer_forward(full.requires_grad_(needs_grad), cos, sin)   # saves what the forward saved
         return checkpoint(run, shard, cos, sin, use_reentrant=False)
+        # end exercise
     return forward
 
 

@@ -347,6 +347,59 @@ def test_tp2_equals_single_device_with_checkpoints_and_hf_weights(tp2_runs, defa
     assert_matches_reference(layout_results(outcomes, layout_id), ref, tp=2)
 
 
+def _partitioned_checkpoint_rank():
+    """On 2 ranks, one layer function (tanh(linear(x))·cos + sin, float64, the same weights and x on both tp
+    ranks) under torch's checkpoint and under P_a: its output, its gradients, the tensors handed to torch's
+    checkpoint (what it keeps for backward), and the collectives of forward and of backward."""
+    import functools
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+    import partition_activations
+    torch.manual_seed(0)
+    B, T, C = 2, 8, 16
+    linear = nn.Linear(C, C).double()
+    x0, cos, sin = torch.randn(B, T, C).double(), torch.rand(T, C).double(), torch.rand(T, C).double()
+    handed = []
+
+    def recorded(function, *args, **kwargs):                         # torch's checkpoint, its tensors noted
+        handed.extend(a.detach().clone() for a in args if isinstance(a, torch.Tensor) and a.dim() == 3)
+        return checkpoint(function, *args, **kwargs)
+    partition_activations.checkpoint = recorded
+
+    def layer_forward(x, cos, sin):
+        return torch.tanh(linear(x)) * cos + sin
+    runs = {}
+    partitioned = partition_activations.partitioned_checkpoint(layer_forward, dist.group.WORLD)
+    for name, forward in (("plain", functools.partial(recorded, layer_forward, use_reentrant=False)),
+                          ("pa", partitioned)):
+        x = x0.clone().requires_grad_()
+        linear.zero_grad()
+        handed.clear()
+        with comm.CommMeter() as forward_calls:
+            y = forward(x, cos, sin)
+        with comm.CommMeter() as backward_calls:
+            y.square().sum().backward()
+        runs[name] = dict(y=y.detach(), dx=x.grad, dw=linear.weight.grad.clone(), kept=list(handed),
+                          forward=dict(forward_calls.calls), backward=dict(backward_calls.calls))
+    partition_activations.checkpoint = checkpoint
+    return runs, x0.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
+
+
+def test_partitioned_checkpoint_keeps_a_slice_and_gathers_it_in_backward():
+    """ZeRO-R's P_a on one layer function, 2 ranks (exercise 04.5): the output and the gradients of x and the
+    weight equal torch's plain checkpoint exactly (the same forward reruns on the same, re-gathered input);
+    what torch's checkpoint is handed to keep is this rank's (B, T, C/t) slice of x, not x (ZeRO §6.1: the
+    checkpoint bytes divided by t); the forward communicates nothing and the backward all-gathers once (ZeRO
+    §8: one all-gather per layer and micro-batch)."""
+    for rank, (runs, my_slice) in enumerate(run_ranks(_partitioned_checkpoint_rank, 2)):
+        plain, pa = runs["plain"], runs["pa"]
+        for key in ("y", "dx", "dw"):
+            assert torch.equal(pa[key], plain[key]), f"rank {rank}: {key}"
+        assert [k.shape for k in plain["kept"]] == [(2, 8, 16)]
+        assert len(pa["kept"]) == 1 and torch.equal(pa["kept"][0], my_slice), f"rank {rank}: {pa['kept']}"
+        assert pa["forward"] == {} and pa["backward"] == {("all_gather", "world"): 1}, f"rank {rank}: {pa}"
+
+
 def test_partitioned_activation_checkpoints_equal_single_device_and_keep_1_over_tp(tp2_runs,
                                                                                   default_reference):
     """ZeRO-R's P_a at tp 2 (--recompute full --partition-activations) == 01 (tolerances above), and equal
