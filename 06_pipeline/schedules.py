@@ -33,12 +33,18 @@ SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")        # schedules whose B leave
 # ======================================================================================
 def train_step_afab(pipe, micro_batches):
     pipe.begin(micro_batches)
+    # exercise 06.1: the AFAB schedule
+    # hint: [PB] §2.6 "All-forward-all-backward" (GPipe; 06's README, "The schedules"): a stage's passes are
+    #   pipe.forward(i) and pipe.backward(i) for each of the pipe.m micro-batches (Pipeline receives and sends
+    #   for them); a backward can start only after the forward it reverses, and this order holds all m.
+    # test: tests/test_pipeline.py::test_afab_order_holds_every_micro_batch_and_replays_to_the_theory_bubble
     # === all forward: every micro-batch's activations stay until its backward ===
     for i in range(pipe.m):
         pipe.forward(i)
     # === all backward ===
     for i in range(pipe.m):
         pipe.backward(i)
+    # end exercise
     return pipe.finish()
 
 
@@ -48,10 +54,10 @@ def train_step_afab(pipe, micro_batches):
 def train_step_1f1b(pipe, micro_batches):
     pipe.begin(micro_batches)
     m = pipe.m
-    # exercise 06.1: the 1F1B schedule
+    # exercise 06.2: the 1F1B schedule
     # hint: [PB] §2.6 "One-forward-one-backward" (06's README, "The schedules"): a stage starts its first
     #   backward as soon as the last stage can have sent its gradient back, and from then on alternates,
-    #   so it never holds more than p − rank micro-batches; AFAB above is the same passes in another order.
+    #   so it never holds more than p − rank micro-batches; AFAB (06.1) runs the same passes in another order.
     #   ZB-H1 below runs the same order, its backward split (its B, then the due Ws).
     # test: tests/test_pipeline.py::test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank
     warmup = min(pipe.p - pipe.rank - 1, m)   # later stages start backward sooner
@@ -75,7 +81,7 @@ def train_step_1f1b(pipe, micro_batches):
 def interleaved_order(k: int, p: int, chunks: int, forward: bool):
     """(micro-batch, chunk) of the k-th forward (or backward) pass of a rank: groups of p
     micro-batches go through chunk 0, then chunk 1, …; backward runs the chunks in reverse."""
-    # exercise 06.2: the interleaved 1F1B order
+    # exercise 06.3: the interleaved 1F1B order
     # hint: Megatron-LM §2.2.2 (06's README, "The schedules"): a rank's passes come in rounds of p·V; in a
     #   round, p consecutive micro-batches go through each of the rank's V chunks in turn (the last chunk
     #   first when going backward); the warm-up of train_step_interleaved is Megatron's.
@@ -117,7 +123,7 @@ def train_step_zb_h1(pipe, micro_batches):
         raise ValueError("train_step_zb_h1 needs Pipeline(..., split_backward=True): its B defers dW to W")
     pipe.begin(micro_batches)
     m, lag = pipe.m, pipe.rank
-    # exercise 06.1
+    # exercise 06.2
     warmup = min(pipe.p - pipe.rank - 1, m)
     # end exercise
     deferred = []
@@ -127,7 +133,7 @@ def train_step_zb_h1(pipe, micro_batches):
         deferred.append(i)
         while len(deferred) > lag:
             pipe.backward_weight(deferred.pop(0))
-    # exercise 06.1
+    # exercise 06.2
     # === warm-up ===
     for i in range(warmup):
         pipe.forward(i)

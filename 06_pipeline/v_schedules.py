@@ -32,7 +32,7 @@ def zb_v_order(p: int, rank: int, m: int) -> list:
     def add(op, chunk):
         order.append((op, counts[op, chunk], chunk))
         counts[op, chunk] += 1
-    # exercise 06.4: ZB-V's order
+    # exercise 06.5: ZB-V's order
     # hint: Qi et al. 2023 §6 (06's README, "V-shaped schedules"): warm-up forwards down chunk 0
     #   and back up chunk 1, a steady pattern of F, B (input gradient) and W on each chunk in turn, and a
     #   cool-down where the Ws deferred fill the gaps; torch.distributed.pipelining's ScheduleZBVZeroBubble
@@ -81,7 +81,7 @@ def dualpipev_order(p: int, rank: int, m: int) -> list:
         if op == "I":
             deferred.append((counts[kind, chunk], chunk))
         counts[kind, chunk] += 1
-    # exercise 06.5: DualPipeV's order
+    # exercise 06.6: DualPipeV's order
     # hint: DeepSeek-V3 §3.2.1, deepseek-ai/DualPipe's DualPipeV (06's README, "V-shaped schedules"):
     #   eight phases per rank, the counts of each set by p and rank; in the main phase every F
     #   of one chunk is paired with a whole backward of the other; the last phases defer Ws to fill the

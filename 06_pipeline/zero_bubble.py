@@ -89,7 +89,7 @@ class SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):                         # dy (…, out)
         x, w = ctx.saved_tensors
-        # exercise 06.3: zero bubble's B and W
+        # exercise 06.4: zero bubble's B and W
         # hint: Qi et al. 2023 §2 (06's README, "Zero bubble: B and W"): of a linear layer's two backward
         #   matmuls only dX is on the critical path; dW waits in the store while it is collecting (a B
         #   pass) and enters .grad through accumulate_grad either way; the Function returns one gradient

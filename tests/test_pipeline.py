@@ -233,6 +233,21 @@ class RecordingPipe:
 
 
 @pytest.mark.parametrize("p, m", [(4, 4), (4, 9), (2, 3)])
+def test_afab_order_holds_every_micro_batch_and_replays_to_the_theory_bubble(p, m):
+    """AFAB's order of passes on every rank, without ranks: every forward before any backward, each
+    micro-batch's F and B once, all m micro-batches held at the turn, and the orders of all ranks replayed
+    with ideal pass times and the stages' data dependencies to exactly the theory bubble (p−1)/m."""
+    events = []
+    for rank in range(p):
+        pipe = RecordingPipe(p, rank)
+        schedules.train_step_afab(pipe, [None] * m)
+        assert pipe.passes == [("F", i) for i in range(m)] + [("B", i) for i in range(m)], rank
+        assert pipe.peak_held == m == schedules.peak_held("afab", p, rank, m), rank
+        events += [passes.Event(rank, op, micro, 0, t, t + 0.5) for t, (op, micro) in enumerate(pipe.passes)]
+    assert timeline.replayed_bubble(events, p) == pytest.approx((p - 1) / m, abs=1e-12)
+
+
+@pytest.mark.parametrize("p, m", [(4, 4), (4, 9), (2, 3)])
 def test_1f1b_order_replays_to_the_theory_bubble_holding_p_minus_rank(p, m):
     """1F1B's order of passes on every rank, without ranks: each micro-batch's F and B once, at most
     p − rank micro-batches held (AFAB holds m), and the orders of all ranks replayed with ideal pass times
