@@ -41,9 +41,15 @@ class SumOverRanks(torch.autograd.Function):
 
 
 def router_z_loss(logits):
-    """ST-MoE's z-loss (Zoph et al. 2022 §3.1): mean over tokens of logsumexp(logits)²; (B, T, E) -> ().
-    It keeps the router's logits small, where float32/bf16 softmax rounds least; ∂/∂logits = 2·lse·p/N."""
-    return logits.logsumexp(dim=-1).pow(2).mean()
+    """ST-MoE's z-loss (Zoph et al. 2022 §3.1), the module docstring's z: (B, T, E) -> (). It keeps the
+    router's logits small, where float32/bf16 softmax rounds least; ∂/∂logits = 2·lse·p/N."""
+    # exercise 07.5: the router's z-loss
+    # hint: ST-MoE §3.1 (07's README, "MoE as used today"; z in the module docstring): per token, the log of
+    #   the sum of the exponentials of its router logits (computed stably, as a softmax is), squared; then
+    #   the mean over every token of the batch.
+    # test: tests/test_expert_parallel.py::test_router_z_loss_and_its_gradient_equal_the_hand_written_ones
+    return logits.logsumexp(dim=-1).pow(2).mean()                           # () over B·T tokens
+    # end exercise
 
 
 def within_capacity(chosen, capacity: int, num_experts: int):
