@@ -63,6 +63,13 @@ def check_degrees(args, config):
 
 def parallelize(full, args, grid, device):
     """Steps 2-5 on the full (meta) model's shapes; returns this rank's stage chunks."""
+    # exercise 08.4: the 5D composition
+    # hint: [PB] §2.8 (08's README, "What this step adds: the composition"; the order in this module's
+    #   docstring): each earlier folder's transform is one call of its module (05's sequence_context_layout,
+    #   08's experts, 06's pipeline, 04's partition_activations), applied from outside to the full model;
+    #   a stage cut by PP needs the RoPE positions of this rank's tokens (05's CPLayout), and each transform
+    #   must find in place what the one before it made (a recomputed attention core must be the ring's).
+    # test: tests/test_5d_combined.py::test_parallelize_composes_every_folders_transform_on_shapes
     sequence_layout.parallelize(full, args, grid)                          # 2. TP (+ SP), 3. CP (05)
     if args.num_experts:                                                   # 3b. MoE, EP (07)
         experts.apply_experts(full, args, grid)
@@ -73,6 +80,7 @@ def parallelize(full, args, grid, device):
     partition_activations.apply_recompute(full, args.recompute, args.partition_activations,   # 5. the stages
                                           grid.tp_group)                                  # hold these layers
     return stages
+    # end exercise
 
 
 @contextlib.contextmanager

@@ -98,6 +98,9 @@ import layout_5d as layout_rules
 import plan_arithmetic
 import planner
 import experts
+import build
+import context_parallel
+import moe
 combined = import_module("08_5d_combined.train")
 
 STEPS = 2
@@ -462,6 +465,59 @@ def test_four_rank_layouts_match_single_device_and_planner(four_ranks, layout_id
 # ======================================================================================
 # The grid and the errors, without processes
 # ======================================================================================
+def _grid(world, rank, dp=1, pp=1, cp=1, tp=1, ep=1):
+    """A ProcessGrid without processes: the coordinates of `rank` in arange(world).view(dp, pp, cp, tp),
+    and a distinct stand-in for each group (a transform only stores them on shapes)."""
+    coords = process_grid.grid_layout(world, dp, pp, cp, tp, ep)
+    d, p, c, t = (int(i) for i in (coords == rank).nonzero()[0])
+    groups = {f"{name}_group": object() for name in ("dp", "pp", "cp", "tp", "cp_dp", "ep", "expert_dp")}
+    return process_grid.ProcessGrid(world, rank, dp, pp, cp, tp, ep, d, p, c, t, d % ep, **groups,
+                                    pp_ranks=tuple(int(r) for r in coords[d, :, c, t]))
+
+
+@pytest.mark.parametrize("flags, world, rank", [
+    (("--tp", 2, "--cp", 2, "--pp", 2, "--recompute", "selective"), 8, 7),
+    (("--dp", 2, "--cp", 2, "--ep", 2, "--pp", 2, "--num-experts", 4, "--recompute", "full"), 8, 7),
+    (("--tp", 2, "--pp", 2, "--pp-schedule", "interleaved", "--pp-chunks", 2, "--recompute", "full",
+      "--partition-activations"), 4, 2)],
+    ids=["tp2-cp2-pp2-selective", "dp2ep2-cp2-pp2-moe-full", "tp2-pp2x2-pa"])
+def test_parallelize_composes_every_folders_transform_on_shapes(monkeypatch, flags, world, rank):
+    """08's composition on the meta model, without processes (exercise 08.4): the last rank's stage chunks
+    hold its pipeline stage's layers (06's blocks, interleaved too), each sliced 1/tp (04: q and the MLP's
+    rows), its attention core the ring (05) with this rank's RoPE positions (05's layout) on the stage, the
+    MLP a MoE block keeping E/ep experts whose load statistics sum over cp (07), and --recompute wrapping
+    what the stage holds after all that (01: the ring's core, selective; the layer, full; 04's P_a)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args, config, _ = cli.setup(layout_rules.build_parser("t"), common.argv(*flags, grad_acc=2),
+                                layout_rules.check_layout)
+    grid = _grid(world, rank, dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp, ep=args.ep)
+    full = build.build_model(args, config)
+    dense = build.build_model(args, config)                              # the same shapes, untouched
+    stages = layout_rules.parallelize(full, args, grid, torch.device("cpu"))
+    blocks = pipeline.layer_blocks(config.num_hidden_layers, args.pp, args.pp_chunks, grid.pp_rank)
+    assert [list(stage.model.layers) for stage in stages] == [[str(i) for i in b] for b in blocks]
+    layout = context_parallel.CPLayout(args.cp_layout, args.cp)
+    positions = layout.positions(grid.cp_rank, args.seq_len, torch.device("cpu"))      # (T/cp,)
+    for stage in stages:
+        assert torch.equal(stage.position_ids, positions)
+        for index, layer in stage.model.layers.items():
+            twin = dense.model.layers[int(index)]
+            rows = layer.self_attn.q_proj.weight.shape[0]                  # (nh·hd/tp, C)
+            assert rows * args.tp == twin.self_attn.q_proj.weight.shape[0], f"layer {index}: q_proj"
+            core = layer.self_attn.attn_fn
+            if args.recompute == "selective":
+                assert hasattr(core, "__wrapped__"), f"layer {index}: the attention core is not recomputed"
+                core = core.__wrapped__
+            assert isinstance(core, context_parallel.RingAttention) == (args.cp > 1), f"layer {index}: {core}"
+            assert ("forward" in vars(layer)) == (args.recompute == "full"), f"layer {index}: recompute"
+            if args.num_experts:
+                assert isinstance(layer.mlp, moe.MoE) and layer.mlp.stats_group is grid.cp_group
+                kept = layer.mlp.experts.gate_proj.shape[0]                # (E/ep, F, C)
+                assert kept * args.ep == args.num_experts, f"layer {index}: experts"
+            else:
+                assert layer.mlp.gate_proj.weight.shape[0] * args.tp == twin.mlp.gate_proj.weight.shape[0]
+
+
 def test_llama3_sixteen_rank_groups():
     """[PB] §4.1, Llama 3 Fig. 5: 16 GPUs, every degree 2: GPU 0 shares TP with 1, CP with 2, PP with 4,
     DP with 8 (02's grid, the groups build_process_grid creates, and 06's pipelines for p2p)."""

@@ -299,6 +299,10 @@ SHARED = {
     "input_gradient_then_due_weights(i)": "ZB-H1's B pass, a function its order calls, defined above it",
     "w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)": "RMSNorm's backward kernel loads w so too",
     'with torch.device("meta"):': "every model built as shapes only (01's runtime, 07, the hardware FLOPs)",
+    "if args.num_experts:": "every trainer's switch for the experts (07, 08's step and report)",
+    "positions = context_parallel.CPLayout(args.cp_layout, grid.cp_size).positions(":
+        "05's trainer finds its rank's tokens so (08.4 composes earlier chapters' calls)",
+    "v_shape=args.pp_schedule in pipeline.V_SHAPED)": "06's trainer cuts its stages so (the same)",
     "mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()":
         "kernels' attention_reference (v0), a later chapter's eager attention that K.6's test compares with",
     'scores = scores.masked_fill(~mask, float("-inf"))': "the same",
