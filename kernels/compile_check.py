@@ -145,7 +145,7 @@ def tests_workload(launches):
     tiles the test fixes (None: the default ones), causal."""
     from kernels import flash_attention as fa
     f32, bf16 = torch.float32, torch.bfloat16
-    calls = [(dtype, (2, 4, 2, 37, 16), (16, 16), causal)                   # test_flash_attention_gqa
+    calls = [(dtype, (1, 4, 2, 37, 16), (16, 16), causal)                   # test_flash_attention_gqa
              for dtype in (f32, bf16) for causal in (True, False)]
     calls += [(f32, (1, 2, 2, 40, 24), (16, 32), True),                     # ..._padded_head_dim_unequal_...
               (bf16, (1, 4, 2, 100, 80), (64, 32), True),                   # ..._tutorial_tiling (GPU: bf16)
