@@ -6,9 +6,10 @@ forward outputs and every gradient (input and weight shards) against the dense l
 weights. float64 there, so only summation order differs: 1e-12 is far below any wrong slice.
 Whole runs (float32, 3 AdamW steps): losses, gradient norms and final parameter shards equal
 01_single_gpu's for the same global batch. rtol 1e-5 on losses/norms: the all-reduced partial sums
-round differently from one matmul (float32 ε ≈ 1.2e-7, a few hundred terms). atol 2e-5 on
-parameters: AdamW's m/(√v + 1e-8) turns gradient rounding on near-zero entries into update
-differences of up to ~lr·1e-3 = 3e-6 per step; a wrong shard or a missed reduction differs by ~lr.
+round differently from one matmul (float32 ε ≈ 1.2e-7, a few hundred terms). atol 1e-4 on
+parameters: AdamW's m/(√v + 1e-8) turns gradient rounding on a near-zero entry into an update
+difference of up to ~lr (3e-3) a step (3.8e-5 seen on one entry of 512); a wrong shard or a missed
+reduction moves whole tensors by ~lr.
 The measured communication is checked against the formula in tensor_parallel.py's docstring.
 """
 import copy
@@ -39,7 +40,7 @@ tp_train = import_module("04_tensor_parallel.train")
 ROOT = Path(__file__).resolve().parents[1]
 EXACT = dict(rtol=1e-12, atol=1e-12)      # float64 layer twins
 LOSS = dict(rtol=1e-5, atol=0)
-PARAMS = dict(rtol=0, atol=2e-5)
+PARAMS = dict(rtol=0, atol=1e-4)          # fp32 whole runs: the module docstring says why
 
 
 # ======================================================================================
