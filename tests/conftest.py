@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # tests/harness.py, t
 
 
 # The quick tier beside the exercises' tests (one per technique, 01-08 and kernels/): these single-process
-# files. `pytest -m quick` ran its 92 tests in 30 s on 2 cores (2026-12-01; `python tests/timings.py quick`
-# records a run); the full suite proves the rest.
+# files; the full suite proves the rest. `python tests/timings.py quick` records how long it takes
+# (tests/results/timings.md).
 QUICK_FILES = ("tests/test_repository.py",)
 
 

@@ -94,32 +94,54 @@ def test_each_entry_point_puts_the_folders_it_builds_on_on_the_path(entry):
                                        f"remove {extra}")
 
 
+def goto_misses(jedi, project, files) -> tuple:
+    """(uses resolved, [the uses that were not]): jedi's go-to-definition on the first use in code of each
+    repository module a file imports by plain name (`module.name`), which must land in that module's file."""
+    unresolved, resolved = [], 0
+    for py in files:
+        source = py.read_text()
+        tree, script = ast.parse(source), jedi.Script(source, path=py, project=project)
+        aliases = {a.asname or a.name: a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for a in node.names if a.name in MODULES and a.name != py.stem}
+        uses = sorted((node.end_lineno, node.end_col_offset - len(node.attr), node.value.id)
+                      for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                      and isinstance(node.value, ast.Name) and node.value.id in aliases)
+        firsts = {alias: (line, column) for line, column, alias in reversed(uses)}
+        for alias, where in sorted(firsts.items()):
+            found = script.goto(*where, follow_imports=True)
+            target = MODULES[aliases[alias]]
+            if any(d.module_path is not None and Path(d.module_path) == target for d in found):
+                resolved += 1
+            else:
+                unresolved.append(f"{py.relative_to(ROOT)}:{where[0]} {aliases[alias]}")
+    return resolved, unresolved
+
+
 def test_an_editor_follows_every_plain_import_of_the_trainers():
     """jedi (the engine of several editors' go-to-definition) reads the bootstrap's `sys.path[:0]` and must
     resolve each `module.name` a train.py uses to that module's file in the repository."""
     jedi = pytest.importorskip("jedi",
                                reason="jedi is pinned in requirements.txt: pip install -r requirements.txt")
-    project = jedi.Project(ROOT)
-    unresolved, resolved = [], 0
-    for trainer in sorted(ROOT.glob("0[1-8]_*/train.py")):
-        source = trainer.read_text()
-        script = jedi.Script(source, path=trainer, project=project)
-        for module in sorted(imported_names(trainer) & set(MODULES)):
-            alias = re.search(rf"^import {module}(?: as (\w+))?\b", source, re.M)
-            if alias is None:
-                continue
-            use = re.compile(rf"\b{alias.group(1) or module}\.(\w+)")
-            after = source[:alias.start()].count("\n") + 1      # the first use after the import
-            line_no, column = next((n, m.end() - len(m.group(1)))
-                                   for n, line in enumerate(source.splitlines(), 1)
-                                   if n > after and not line.lstrip().startswith(("#", "import"))
-                                   for m in [use.search(line)] if m)
-            found = script.goto(line_no, column, follow_imports=True)
-            if any(d.module_path is not None and Path(d.module_path) == MODULES[module] for d in found):
-                resolved += 1
-            else:
-                unresolved.append(f"{trainer.relative_to(ROOT)}:{line_no} {module}")
+    resolved, unresolved = goto_misses(jedi, jedi.Project(ROOT), sorted(ROOT.glob("0[1-8]_*/train.py")))
     assert resolved > 40 and not unresolved, f"go-to-definition failed at {unresolved} ({resolved} resolved)"
+
+
+def test_an_editor_given_the_readmes_setting_follows_every_module():
+    """The modules without a bootstrap (all but the entry points) import across folders by plain name: an
+    editor finds them through the folders pyproject.toml lists ([tool.pyright] extraPaths, which pyright
+    and Pylance read), and the README's first screen says so and names the setting for jedi-based editors.
+    With those folders, jedi resolves every such use to its file."""
+    jedi = pytest.importorskip("jedi",
+                               reason="jedi is pinned in requirements.txt: pip install -r requirements.txt")
+    import tomllib
+    paths = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]["extraPaths"]
+    first_screen = "\n".join((ROOT / "README.md").read_text().splitlines()[:50])
+    assert "jedi" in first_screen and "extraPaths" in first_screen and "pyproject.toml" in first_screen
+    assert {str(f.relative_to(ROOT)) for f in FOLDERS} == set(paths)       # every folder, none extra
+    project = jedi.Project(ROOT, added_sys_path=[str(ROOT / p) for p in paths], smart_sys_path=False)
+    modules = [py for py in MODULES.values() if py not in ENTRY_POINTS]
+    resolved, unresolved = goto_misses(jedi, project, modules)
+    assert resolved > 80 and not unresolved, f"go-to-definition failed at {unresolved} ({resolved} resolved)"
 
 
 # ======================================================================================
