@@ -96,8 +96,9 @@ def write(record: dict, results: Path):
     for r in reversed(records):
         m = r["machine"]
         where = f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB (load {m['load_before']})"
-        result = r["summary"] or "no pytest summary"
-        result = result if r["exit"] == 0 else f"FAILED, exit {r['exit']}: {result}"
+        result = r["summary"] or "exit 0"
+        if r["exit"] != 0:
+            result = f"FAILED, exit {r['exit']}" + (f": {r['summary']}" if r["summary"] else "")
         rows.append(f"| {r['date']} | {r['what']} | {r['commit']} | {where} | {r['wall_s']:.0f} s | "
                     f"{r['cpu_s']:.0f} s | {result} |")
     (results / "timings.md").write_text("\n".join(rows) + "\n")
