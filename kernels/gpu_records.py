@@ -112,7 +112,7 @@ def train_record(row, flags, status: str, output: str, json_log: Path, device: s
                 hfu=median("hfu"), mfu_convention=MFU_CONVENTION,
                 peak_tflops=next((v for k, v in metrics.PEAK_TFLOPS.items() if k in device), None),
                 peak_memory_gib=max(peaks) if peaks else None, losses=losses,
-                first_step_s=round(seconds[0], 2) if seconds else None,
+                first_step_s=round(seconds[0], 4) if seconds else None,
                 step_s=round(step_s, 4) if step_s else None,
                 per_step=[{k: s[k] for k in ("tokens_per_s", "mfu")} for s in steps])
 

@@ -52,7 +52,12 @@ def test_smoke_run_records_every_stage(smoke):
         assert r["status"] == "ok", r.get("output_tail")
     train = [r for r in records if r["stage"] == "train"]
     assert [r["name"] for r in train] == [row.name for row in gpu_run.SMOKE_ROWS]
-    assert all(r["first_step_s"] > r["step_s"] > 0 for r in train)
+    # the first step's seconds apart from the steady ones (on a GPU its compile and warm-up; a CPU's tiny
+    # model may take no longer in its first step, so only where each comes from is checked here)
+    for r in train:
+        tokens = r["mbs"] * r["seq_len"] * r["grad_acc"]
+        assert r["first_step_s"] == round(tokens / r["per_step"][0]["tokens_per_s"], 4) > 0
+        assert r["step_s"] > 0
     for r, row in zip(train, gpu_run.SMOKE_ROWS):
         assert all(k in r for k in TRAIN_FIELDS), r
         assert (r["kernels"], r["attn"], r["precision_layout"], r["grad_acc"]) == \
