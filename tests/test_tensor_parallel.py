@@ -371,18 +371,20 @@ def _partitioned_checkpoint_rank():
         return torch.tanh(linear(x)) * cos + sin
     runs = {}
     partitioned = partition_activations.partitioned_checkpoint(layer_forward, dist.group.WORLD)
-    for name, forward in (("plain", functools.partial(recorded, layer_forward, use_reentrant=False)),
-                          ("pa", partitioned)):
-        x = x0.clone().requires_grad_()
-        linear.zero_grad()
-        handed.clear()
-        with comm.CommMeter() as forward_calls:
-            y = forward(x, cos, sin)
-        with comm.CommMeter() as backward_calls:
-            y.square().sum().backward()
-        runs[name] = dict(y=y.detach(), dx=x.grad, dw=linear.weight.grad.clone(), kept=list(handed),
-                          forward=dict(forward_calls.calls), backward=dict(backward_calls.calls))
-    partition_activations.checkpoint = checkpoint
+    try:
+        for name, forward in (("plain", functools.partial(recorded, layer_forward, use_reentrant=False)),
+                              ("pa", partitioned)):
+            x = x0.clone().requires_grad_()
+            linear.zero_grad()
+            handed.clear()
+            with comm.CommMeter() as forward_calls:
+                y = forward(x, cos, sin)
+            with comm.CommMeter() as backward_calls:
+                y.square().sum().backward()
+            runs[name] = dict(y=y.detach(), dx=x.grad, dw=linear.weight.grad.clone(), kept=list(handed),
+                              forward=dict(forward_calls.calls), backward=dict(backward_calls.calls))
+    finally:
+        partition_activations.checkpoint = checkpoint
     return runs, x0.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
 
 

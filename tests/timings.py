@@ -115,7 +115,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.results.exists() and not args.results.is_dir():
         parser.error(f"--results {args.results} is a file: pass a folder")
-    if (args.what == "run") != bool(args.name and command) or (args.what != "run" and (args.name or command)):
+    if not (args.what == "run") == bool(args.name) == bool(command):      # run: both; the others: neither
         parser.error("run takes --name NAME and a command after --, e.g. run --name demo -- python -V; "
                      "suite, quick and check take no command")
     if args.fresh_clone and args.what != "suite":

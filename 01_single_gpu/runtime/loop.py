@@ -48,15 +48,15 @@ def train(args, train_step, model, optimizer, dataset, flops_per_token: int, gri
     log = step_log(run, start, flops_per_token)
     with Supervision(run, start, log) as watch:    # stop signals, watchdog, profiler, NaN guard, meter
         for step in range(start, args.steps):
+            log.start_step()                                  # tokens/s counts the batches' loading too
             lr = optim.lr_at(step, args)                      # linear warm-up, then cosine decay
             optim.set_lr(optimizer, lr)
             micro_batches = run.batches(run.sampler, step)    # grad_acc × (x, y), (mbs, T) each
-            log.start_step()
             with watch.measuring(step):                       # the first step: activation memory
                 loss, grad_norm = train_step(micro_batches)
             log.end_step(step, loss, lr, grad_norm, watch.skipped(), getattr(optimizer, "log_fields", dict)(),
                          run.evaluate if run.eval_due(step) else None)
-            watch.check_finite(step, loss, grad_norm)        # NaN/inf: the run stops, or the step was skipped
+            watch.after_step(step, loss, grad_norm)          # NaN/inf: the run stops, or the step was skipped
             stopped_by = watch.stop_agreed(step)             # SIGTERM/SIGUSR1 on any rank, agreed by all
             if stopped_by == preemption.LOG_FAILED:
                 break                   # the step is not saved: --resume runs it, and logs it, again
@@ -138,7 +138,7 @@ class Supervision:
         skip = run.args.on_nonfinite == "skip"
         self.guard = optim.SkipNonFinite(run.optimizer, run.device) if skip else None
         self.profiler = metrics.profiler(run.args.profile, run.device, run.rank)
-        self.stopped_by, self.step, self.activation_peak, self.meter = 0, start, 0, None
+        self.stopped_by, self.step, self.activation_peak = 0, start, 0
         self.contexts = contextlib.ExitStack()
 
     def __enter__(self):
@@ -163,8 +163,9 @@ class Supervision:
             yield
             return
         params = [p for p in self.run.model.parameters() if p.requires_grad]
-        with memory.saved_activation_bytes(exclude=params) as self.meter:
+        with memory.saved_activation_bytes(exclude=params) as meter:
             yield
+        self.activation_peak = meter.peak
 
     def skipped(self) -> bool:
         """The step changed nothing: --on-nonfinite skip's guard, or an fp16 overflow (mixed_precision.py)."""
@@ -173,8 +174,9 @@ class Supervision:
     def scaler_skipped(self) -> bool:
         return getattr(self.run.optimizer, "skipped", False)
 
-    def check_finite(self, step: int, loss: float, grad_norm):
-        """A NaN/inf loss or norm that was not skipped stops the run; a skip, and step 1's meter, say so."""
+    def after_step(self, step: int, loss: float, grad_norm):
+        """After the step's log line: a NaN/inf loss or norm that was not skipped stops the run; a skipped
+        step says so, and the first step its measured activation memory."""
         if not (self.skipped() or finite(loss, grad_norm)):
             self.log.close()
             stop_nonfinite(step, loss, grad_norm, self.guard is not None)
@@ -182,10 +184,10 @@ class Supervision:
             why = "fp16 overflow: the loss scale halves" if self.scaler_skipped() else "--on-nonfinite skip"
             self.log.write(f"step {step + 1}: loss {loss}, gradient norm {float(grad_norm)}: skipped "
                            f"({why}; parameters and optimizer state unchanged)")
-        if self.meter and step == self.start:
-            self.activation_peak = self.meter.peak
-            self.log.write(f"activations saved for backward in step {step + 1}, measured on this rank: peak "
-                           f"{self.meter.peak / 2**20:.2f} MiB (the memory table's line is the estimate)")
+        if step == self.start:
+            self.log.write(f"activations saved for backward in step {step + 1}, measured on this rank: "
+                           f"peak {self.activation_peak / 2**20:.2f} MiB (the memory table's line is the "
+                           f"estimate)")
 
     def stop_agreed(self, step: int) -> int:
         """The signal every rank agrees stopped the run after `step` (a collective), else 0; the last step
