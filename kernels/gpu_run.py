@@ -1,4 +1,4 @@
-"""One command for a GPU session: every figure the README shows, the most wanted first, in one device call.
+"""One command for a GPU session: every figure of results/latest.md, the most wanted first, in one call.
 
 A GPU is lent by chance, for about 15 minutes, on a machine without network or `datasets`, in calls of at
 most 600 s. This runs each stage in a child process with its own time limit, in order of value (`--plan`
@@ -15,11 +15,11 @@ prints them):
 The stages up to the tests fit the default budget even if each runs to its limit; the rest start only while
 --budget-s lasts (else recorded as skipped). Each appends one JSON record to DIR/records.jsonl as it ends;
 a failed or cut one records "failed" / "timeout" and its output's tail (all of it: DIR/log.txt). Last,
-kernels/report.py turns the records into DIR/section.md, the README section they give.
+kernels/report.py turns the records into DIR/section.md, the part of results/latest.md they give.
 
     python3 kernels/gpu_run.py --out DIR                # on the GPU (DIR: the device tool's $OUT)
     python kernels/gpu_run.py --plan                    # the stages and their limits, nothing run
-    python kernels/report.py --import-run DIR --write   # back here: keep the run, regenerate the README
+    python kernels/report.py --import-run DIR --write   # back here: keep the run, rewrite results/latest.md
     python kernels/gpu_run.py --out DIR --smoke         # CPU, tiny shapes (tests/test_gpu_run.py)
 """
 import os

@@ -131,8 +131,7 @@ def test_report_keeps_imported_runs_and_refuses_smoke_ones(smoke, tmp_path, monk
     assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in out.iterdir())
     legacy = report.section(runs=tmp_path / "empty")
     with_run = report.section(runs=tmp_path / "runs")
-    assert with_run.startswith(report.BEGIN + "\n\n" + report.run_section(kept))
-    assert with_run.endswith(legacy.removeprefix(report.BEGIN + "\n\n"))
+    assert with_run == report.run_section(kept) + "\n\n" + legacy
 
 
 def test_matrix_puts_the_headline_and_baseline_first_then_one_axis_changes():
@@ -294,3 +293,30 @@ def test_an_imported_run_can_be_committed():
         pytest.skip("not a git checkout")
     assert not ignored("kernels/results/runs/2026-11-28-nvidia-h100/records.jsonl")
     assert ignored("runs/tensorboard-events") and ignored("05_sequence_context_parallel/runs/x")
+
+
+def test_the_targets_read_met_missed_or_not_measured_from_the_figures():
+    def row(kernel, impl, ms, of_peak=None):
+        return dict(kernel=kernel, shape="big", impl=impl, pass_="fwd+bwd", ms=ms, of_peak=of_peak)
+    result = {"date": "2026-12-02",
+              "rows": [row("attention", "sdpa-flash", 6.0), row("attention", "triton", 5.9),
+                       row("linear+cross-entropy", "eager", 40.0),
+                       row("linear+cross-entropy", "triton", 41.0),
+                       row("rmsnorm", "triton", 0.2, of_peak=0.81), row("rope", "triton", 0.2, of_peak=0.79)],
+              "memory": [{"shape": "small", "impl": "eager", "peak_extra_gib": 1.0},
+                         {"shape": "small", "impl": "triton", "peak_extra_gib": 0.1},
+                         {"shape": "big", "impl": "eager", "peak_extra_gib": 9.0},
+                         {"shape": "big", "impl": "triton", "peak_extra_gib": 3.1}]}
+    train = [{"shape": "llama3-1b", "mfu": 0.52}, {"shape": "tiny", "mfu": 0.9}]   # tiny: not a target
+    verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[-1][:-2]
+                for line in report.goal_lines("NVIDIA H200", result, train) if line.startswith("| ")}
+    assert verdicts == {"target": "",
+                        "1B training MFU ≥ 55% (seq 2048, bf16, llama3-1b or 1b-v32k)": "missed",
+                        "FlashAttention fwd+bwd at most SDPA (flash)'s time": "met",
+                        "linear + cross-entropy fwd+bwd at most eager's time": "missed",
+                        "rmsnorm fwd+bwd ≥ 80% of the copy bandwidth": "met",
+                        "rope fwd+bwd ≥ 80% of the copy bandwidth": "missed",
+                        "swiglu fwd+bwd ≥ 80% of the copy bandwidth": "not measured yet",
+                        "linear + cross-entropy memory at most 1/3 of eager's": "missed"}
+    h100 = report.goal_lines("NVIDIA H100 80GB HBM3", result, train)
+    assert "| 1B training MFU ≥ 50% (seq 2048, bf16, llama3-1b or 1b-v32k) | 52.0% | met |" in h100
