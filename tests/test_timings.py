@@ -22,6 +22,7 @@ def test_a_run_records_its_seconds_machine_and_pytest_summary(tmp_path, capsys):
     assert busy["summary"] == "3 passed, 1 skipped in 0.31s" and busy["exit"] == 0
     assert busy["cpu_s"] >= 0.3 and busy["wall_s"] >= 0.3 and busy["commit"]
     assert busy["machine"]["cores"] >= 1 and busy["machine"]["cpu"] and busy["date"][:2] == "20"
+    assert busy["machine"]["torch"].startswith("2.")    # the version of the torch the runs used
     table = (tmp_path / "timings.md").read_text().splitlines()
     rows = [line for line in table if line.startswith(f"| {busy['date'][:4]}")]
     assert " broken " in rows[0] and "FAILED, exit 3" in rows[0] and "| 3 passed, 1 skipped" in rows[1]

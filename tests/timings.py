@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 from exercises import Parser      # one-line errors, exit status 2
@@ -50,7 +51,15 @@ def machine() -> dict:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory, 1),
             "load_before": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-            "system": f"{platform.system()} {platform.machine()}"}
+            "torch": _installed("torch"), "system": f"{platform.system()} {platform.machine()}"}
+
+
+def _installed(package: str) -> str:
+    """The package's installed version, read without importing it (torch takes seconds to import)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def commit(folder: Path) -> str:
@@ -95,7 +104,8 @@ def write(record: dict, results: Path):
             "|---|---|---|---|---|---|---|"]
     for r in reversed(records):
         m = r["machine"]
-        where = f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB (load {m['load_before']})"
+        where = (f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB (load {m['load_before']})"
+                 + (f"; Python {m['python']}, torch {m['torch']}" if "torch" in m else ""))
         result = r["summary"] or "exit 0"
         if r["exit"] != 0:
             result = f"FAILED, exit {r['exit']}" + (f": {r['summary']}" if r["summary"] else "")
