@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 import cli_checks
 import process_grid
+from rank0 import print0
 import comm
 import bus_bandwidth
 
@@ -189,11 +190,6 @@ def measure(args, grid, device) -> list:
                            f"{record['busbw']:>12.3f}  {verdict}")
                     del run, expected, result
     return records
-
-
-def print0(line: str):
-    if dist.get_rank() == 0:
-        print(line, flush=True)
 
 
 def plot(records, path):
