@@ -61,10 +61,10 @@ class ForkedJob:
             log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             os.dup2(log, 1)
             os.dup2(log, 2)
-            exit_as(self._lead, world, probe_argv)
+            exit_as(self._lead, world, probe_argv, log_path.parent)
 
     @staticmethod
-    def _lead(world: int, probe_argv: list) -> int:
+    def _lead(world: int, probe_argv: list, row_dir: Path) -> int:
         # the store torchrun's agent serves its workers, on a port the system gives it
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=300))
@@ -72,10 +72,7 @@ class ForkedJob:
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                                  OMP_NUM_THREADS="1")
+                os.environ.update(torchrun_environment(rank, world, store.port, row_dir))
                 torch.set_num_threads(1)          # torchrun's default: one thread per worker
                 watchdog.exit_with_parent(signal.SIGKILL)
                 exit_as(sweep_rank.main, probe_argv)
@@ -107,6 +104,14 @@ class ForkedJob:
                 raise subprocess.TimeoutExpired(f"row leader {self.pid}", timeout)
             time.sleep(0.05)
         return self.returncode
+
+
+def torchrun_environment(rank: int, world: int, port: int, row_dir: Path) -> dict:
+    """What torchrun's agent gives a worker, its error file included: with one, a rank that finds a bad
+    flag waits for rank 0 to print it (rank0.fail) instead of leaving first and having rank 0 killed."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                TORCHELASTIC_ERROR_FILE=str(row_dir / f"error_rank{rank}.json"), OMP_NUM_THREADS="1")
 
 
 def exit_as(main, *args):
@@ -279,7 +284,7 @@ def run_all(out: Path, jobs: list, trainer: list, sweep, tokens_per_step: int) -
     for k, job in enumerate(todo, 1):
         row_dir = out / job.key
         row_dir.mkdir(parents=True, exist_ok=True)
-        for stale in [*row_dir.glob("rank*.json"), row_dir / "log.jsonl"]:
+        for stale in [*row_dir.glob("rank*.json"), *row_dir.glob("error_rank*.json"), row_dir / "log.jsonl"]:
             stale.unlink(missing_ok=True)              # an unrecorded row's leftovers (a killed sweep)
         log = row_dir / "output.log"
         log.write_bytes(b"")

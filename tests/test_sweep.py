@@ -30,6 +30,7 @@ import planner
 import search
 import step_time
 import sweep
+import sweep_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = [flag for flag in TINY if flag not in ("--lr", "3e-3", "--warmup-steps", "1", "--log-every", "1000",
@@ -106,6 +107,30 @@ def test_a_sweep_records_every_layout_its_failures_and_leaves_nothing_running(tm
     ok = sorted(records[:6], key=lambda r: -r["tokens_per_s"])
     failed = sorted(records[6:], key=lambda r: r["predicted"]["rank"])
     assert [r["row"] for r in again] == [r["row"] for r in ok + failed]
+
+
+def test_a_forked_rank_that_finds_a_bad_flag_waits_for_rank_0_to_say_it(tmp_path):
+    """The fork launcher ends the other ranks when the first one fails, as torchrun's agent does. Without
+    torchrun's error file a rank that found a bad flag left at once, and under load it could end rank 0
+    before rank 0 printed why (the sweep's preflight row read "failed: rank exited with 2"). With the
+    environment the launcher gives, rank 1 waits, and rank 0 prints the line and records it at once."""
+    runtime = str(ROOT / "01_single_gpu" / "runtime")
+    line = "train.py: error: --mbs 0: pass 1 or more"
+
+    def rank(number: int) -> subprocess.Popen:
+        given = sweep_jobs.torchrun_environment(number, 2, 29500, tmp_path)
+        env = dict(os.environ, PYTHONPATH=runtime, **given)
+        return subprocess.Popen([sys.executable, "-c", f"import rank0; rank0.fail({line!r})"], env=env,
+                                stderr=subprocess.PIPE, text=True)
+
+    silent = rank(1)
+    with pytest.raises(subprocess.TimeoutExpired):
+        silent.wait(timeout=3)                                   # still there: rank 0 has not spoken
+    silent.kill()
+    silent.communicate()
+    speaker = rank(0)
+    assert speaker.communicate(timeout=60)[1].strip() == line and speaker.returncode == 2
+    assert json.loads((tmp_path / "error_rank0.json").read_text())["message"]["message"] == line
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the cleanup reads /proc (Linux)")
